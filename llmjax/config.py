@@ -1,0 +1,333 @@
+"""Configuration: `ModelConfig` (what the weights are) and `EngineConfig` (how to serve them).
+
+Both are frozen dataclasses validated once in `__post_init__`; everything downstream trusts them.
+`ModelConfig` is built from a Hugging Face `config.json`, from GGUF metadata, or from a named preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class ConfigError(ValueError):
+    """A model or engine configuration that llmjax cannot serve; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer. `attention` selects the GQA family or MLA.
+
+    GQA family: MHA when `num_kv_heads == num_heads`, MQA when 1, GQA in between.
+    MLA (DeepSeek-V2/V3): `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`,
+    optional `q_lora_rank`; `head_dim` is unused.
+    `rope_scaling` holds HF's rope parameters as sorted (key, value) pairs, so the config stays hashable.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    attention: Literal["gqa", "mla"] = "gqa"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.attention == "gqa":
+            if self.head_dim <= 0 or self.num_kv_heads <= 0:
+                raise ConfigError("head_dim and num_kv_heads must be positive")
+            if self.num_heads % self.num_kv_heads:
+                raise ConfigError(
+                    f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+                )
+        elif self.attention == "mla":
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name) <= 0:
+                    raise ConfigError(f"MLA needs a positive {name}, got {getattr(self, name)}")
+            if self.qk_rope_head_dim % 2:
+                raise ConfigError("qk_rope_head_dim must be even")
+        else:
+            raise ConfigError(f"attention must be 'gqa' or 'mla', got {self.attention!r}")
+        rope_type = self.rope_params.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+
+    @property
+    def rope_params(self) -> dict[str, Any]:
+        return dict(self.rope_scaling)
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions rotated by RoPE per head."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def kv_heads_label(self) -> str:
+        if self.attention == "mla":
+            return "MLA"
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """KV cache bytes one token costs over all layers.
+
+        GQA family: 2 * num_kv_heads * head_dim * layers * dtype (K and V).
+        MLA: (kv_lora_rank + qk_rope_head_dim) * layers * dtype (the latent and the shared RoPE key).
+        """
+        if self.attention == "mla":
+            per_layer = self.kv_lora_rank + self.qk_rope_head_dim
+        else:
+            per_layer = 2 * self.num_kv_heads * self.head_dim
+        return per_layer * self.num_layers * dtype_bytes
+
+    def softmax_scale(self) -> float:
+        """1/sqrt(qk head dim), times YaRN's mscale² for MLA models as DeepSeek defines it."""
+        scale = self.qk_head_dim**-0.5
+        params = self.rope_params
+        if self.attention == "mla" and params.get("rope_type") == "yarn" and params.get("mscale_all_dim"):
+            m = yarn_mscale(params["factor"], params["mscale_all_dim"])
+            scale *= m * m
+        return scale
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature correction: 0.1 * mscale * ln(factor) + 1 (1 when factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope_scaling_from_hf(hf: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """HF stores RoPE scaling as `rope_scaling` (transformers 4) or `rope_parameters` (5)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.pop("rope_theta", None)
+    params.setdefault("rope_type", "default")
+    if params["rope_type"] == "default":
+        params = {"rope_type": "default"}
+    return tuple(sorted(params.items()))
+
+
+def _rope_theta_from_hf(hf: dict[str, Any]) -> float:
+    params = hf.get("rope_parameters") or {}
+    return float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Build a ModelConfig from the dict of a HF `config.json`. Unknown architectures and MoE are refused."""
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"unknown architecture {arch!r}; llmjax supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    num_layers = hf["num_hidden_layers"]
+    common = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=num_layers,
+        num_heads=hf["num_attention_heads"],
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta_from_hf(hf),
+        rope_scaling=_rope_scaling_from_hf(hf),
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+        architecture=arch,
+    )
+    if arch.startswith("Deepseek"):
+        n_experts = hf.get("n_routed_experts")
+        first_dense = hf.get("first_k_dense_replace", 0)
+        if n_experts and first_dense < num_layers:
+            raise ConfigError(
+                f"{arch} with mixture-of-experts layers (n_routed_experts={n_experts}, "
+                f"first_k_dense_replace={first_dense} < {num_layers} layers) is not supported yet: "
+                "llmjax serves dense-MLP MLA models only"
+            )
+        return ModelConfig(
+            **common,
+            num_kv_heads=hf["num_attention_heads"],
+            head_dim=0,
+            attention_bias=bool(hf.get("attention_bias", False)),
+            attention="mla",
+            q_lora_rank=hf.get("q_lora_rank"),
+            kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"],
+            qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"],
+            # DeepSeek-V2's HF code always rotates interleaved pairs (complex multiply); V3 makes it a flag.
+            rope_interleave=bool(hf.get("rope_interleave", arch == "DeepseekV2ForCausalLM")),
+        )
+    num_heads = hf["num_attention_heads"]
+    return ModelConfig(
+        **common,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
+    )
+
+
+def model_config_from_hf_file(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json at {path}")
+    return model_config_from_hf(json.loads(path.read_text()))
+
+
+def model_config_from_gguf_metadata(meta: dict[str, Any]) -> ModelConfig:
+    """Build a ModelConfig from GGUF key/values (the llama architecture family)."""
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ConfigError(f"unsupported GGUF architecture {arch!r}; llmjax reads 'llama' GGUF files")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ConfigError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    if not vocab:
+        raise ConfigError("GGUF metadata has neither llama.vocab_size nor a token list")
+    rope = ()
+    if meta.get(f"{arch}.rope.scaling.type") == "linear":
+        rope = (("factor", float(get("rope.scaling.factor"))), ("rope_type", "linear"))
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // num_heads),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope,
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings=True,  # the loader unties when the file has output.weight
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_ids(eos),
+        architecture="LlamaForCausalLM",
+    )
+
+
+def _tiny(attention: str, num_kv_heads: int) -> ModelConfig:
+    """Tiny models for experiments: equal hidden size (256) and depth (4) across attention variants."""
+    base = dict(
+        vocab_size=512, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
+        max_position_embeddings=2048, rope_theta=10000.0, bos_token_id=1, eos_token_ids=(2,),
+    )
+    if attention == "mla":
+        return ModelConfig(
+            **base, num_kv_heads=8, head_dim=0, attention="mla", architecture="DeepseekV3ForCausalLM",
+            kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        )
+    return ModelConfig(**base, num_kv_heads=num_kv_heads, head_dim=32)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny-mha": _tiny("gqa", 8),
+    "tiny-gqa": _tiny("gqa", 2),
+    "tiny-mqa": _tiny("gqa", 1),
+    "tiny-mla": _tiny("mla", 8),
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine serves: batching policy, token budget, KV memory. Flag names follow vLLM's.
+
+    `kv_cache_memory_bytes` sizes the KV pool (num_blocks = budget / (block_size * bytes per token));
+    when None, `gpu_memory_utilization` of the device's free memory is used on an accelerator and
+    a 1 GiB budget on CPU.
+    """
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    block_size: int = 16
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.8
+    scheduling_policy: Literal["continuous", "static", "dynamic"] = "continuous"
+    queue_order: Literal["fcfs", "lpm"] = "fcfs"
+    batch_size: int = 8
+    max_delay: float = 0.05
+    attention_backend: str | None = None
+    dtype: str | None = None
+    kv_cache_dtype: str | None = None
+    seed: int = 0
+    compilation_cache_dir: str | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        positive = ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_model_len", "batch_size")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.scheduling_policy not in ("continuous", "static", "dynamic"):
+            raise ConfigError(f"unknown scheduling_policy {self.scheduling_policy!r}")
+        if self.queue_order not in ("fcfs", "lpm"):
+            raise ConfigError(f"unknown queue_order {self.queue_order!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                "without chunked prefill a whole prompt must fit one step: "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_model_len ({self.max_model_len})"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.max_delay < 0:
+            raise ConfigError("max_delay must be >= 0")
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)

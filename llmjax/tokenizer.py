@@ -1,0 +1,139 @@
+"""Tokenizers, the chat template, and incremental detokenization.
+
+- `Tokenizer`: a HF tokenizer (from a model folder or a GGUF file) plus the model's end-of-turn ids.
+- `ByteTokenizer`: UTF-8 bytes as tokens, for the random tiny presets (no vocabulary to load).
+- `render_chat_template`: renders a Jinja chat template the way HF does (sandboxed, trim/lstrip blocks).
+- `IncrementalDetokenizer`: turns a growing list of ids into text deltas; never emits half of a
+  multi-byte character split across tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from llmjax.models.loader import ModelSource
+
+Message = dict[str, Any]
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
+
+
+def render_chat_template(template: str, messages: Sequence[Message], add_generation_prompt: bool, **special: Any) -> str:
+    """Render `template` with HF's conventions (`messages`, `add_generation_prompt`, special tokens)."""
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"chat template error: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt, **special
+    )
+
+
+class Tokenizer:
+    """A HF tokenizer with llmjax's needs: encode, decode, chat prompts, the set of stop ids."""
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: Sequence[int] = ()):
+        self.hf = hf_tokenizer
+        vocab = hf_tokenizer.get_vocab()
+        ids = set(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            ids.add(hf_tokenizer.eos_token_id)
+        ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        self.eos_token_ids = frozenset(ids)
+        self.chat_template: str | None = hf_tokenizer.chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_text(self, token_id: int) -> str:
+        return self.hf.decode([token_id])
+
+    def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt,
+            bos_token=self.hf.bos_token or "", eos_token=self.hf.eos_token or "",
+        )
+
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat prompt (the template writes its own special tokens)."""
+        return self.encode(self.chat_prompt(messages, add_generation_prompt), add_special_tokens=False)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 3..258 (0 pad, 1 bos, 2 eos): text I/O for random tiny models."""
+
+    OFFSET = 3
+    vocab_size = 256 + OFFSET
+    eos_token_ids = frozenset({2})
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [b + self.OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.OFFSET + 256)
+        return data.decode("utf-8", errors="replace")
+
+    def token_to_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.chat_prompt(messages, add_generation_prompt))
+
+
+def load_tokenizer(source: ModelSource, eos_token_ids: Sequence[int] = ()) -> Tokenizer | ByteTokenizer:
+    if source.kind == "preset":
+        return ByteTokenizer()
+    from transformers import AutoTokenizer
+
+    if source.kind == "gguf":
+        hf = AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    else:
+        hf = AutoTokenizer.from_pretrained(str(source.path))
+    return Tokenizer(hf, eos_token_ids)
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing token list.
+
+    Decodes a short window of recent ids twice (without and with the new id) and emits the
+    difference, so tokenizers whose text depends on neighbours (leading spaces, byte fallback)
+    stay correct. A delta ending in U+FFFD (an incomplete UTF-8 sequence) is held back until
+    the next token completes it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | ByteTokenizer, prompt_ids: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append one id; return the newly completed text (possibly empty)."""
+        self.ids.append(token_id)
+        before = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        after = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            delta = after[len(before) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""
