@@ -1,0 +1,244 @@
+"""KVCacheManager: per-request block tables over a `BlockPool` and an optional `RadixCache`.
+
+A request's KV for token i lives in block `block_table[i // block_size]` at offset
+`i % block_size`. Contract with the scheduler:
+
+- `allocate` admits a request (prefix match, then fresh blocks); `grow` extends it as chunked
+  prefill and decode add tokens; `free` ends it (finish, abort or preemption).
+- A request holds one reference to each block of its table. With prefix caching on, the first
+  `cached_pages` blocks of its table are tree blocks and it holds a lock on that tree path
+  (so they cannot be evicted). They are full pages, shared read-only: the engine never writes a
+  block before the request's first uncached token, and that token starts a fresh block.
+- Every method validates its input before it changes anything: a call that raises, or that
+  returns None / False for lack of room, leaves the manager unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from llmjax.kv.block_pool import BlockPool
+from llmjax.kv.radix_cache import Node, PrefixCacheStats, PrefixMatch, RadixCache
+
+_NO_MATCH = PrefixMatch((), 0, None, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class KVUsage:
+    """Block counts over the usable blocks (the null block excluded)."""
+
+    num_blocks: int  # usable blocks
+    used: int  # held by at least one request
+    cached: int  # cached and held by none: evictable
+    free: int  # neither held nor cached
+    usage: float  # used / num_blocks
+
+
+@dataclass(slots=True)
+class _Seq:
+    block_table: list[int]
+    num_tokens: int
+    node: Node | None  # deepest node of the locked tree path; None when nothing is locked
+    cached_pages: int  # blocks of the locked path = the first blocks of block_table
+    namespace: Hashable
+
+
+class KVCacheManager:
+    """Block tables for running requests; see the module docstring for the contract."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks)
+        self.prefix_cache = RadixCache(self.block_pool, block_size) if enable_prefix_caching else None
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._num_seq_tokens = 0  # sum of num_tokens over requests
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """ceil(num_tokens / block_size)."""
+        return -(-num_tokens // self.block_size)
+
+    def peek_prefix_len(self, token_ids: Sequence[int], namespace: Hashable = None) -> int:
+        """Tokens `allocate` would find cached now (0 with prefix caching off). No side effects, no stats."""
+        return self.prefix_cache.match(token_ids, namespace).num_tokens if self.prefix_cache else 0
+
+    def allocate(
+        self, req_id: Hashable, token_ids: Sequence[int], max_new_tokens: int, namespace: Hashable = None
+    ) -> tuple[int, int] | None:
+        """Admit a request that holds no blocks.
+
+        Matches the cached prefix of `token_ids` (prefix caching on; at most len - 1 tokens, page
+        aligned), locks it, and allocates fresh blocks so the request holds
+        num_cached + num_new tokens, num_new = min(max_new_tokens, len(token_ids) - num_cached),
+        evicting unlocked cached blocks as needed. Returns (num_cached, num_new), or None when
+        the pool cannot hold that now (nothing changed, no stats counted). Stats are counted
+        on success. ValueError for a known req_id, empty token_ids, max_new_tokens < 1, or a
+        request needing more blocks than the pool has in all.
+        """
+        if req_id in self._seqs:
+            raise ValueError(f"request {req_id!r} already holds blocks")
+        if not token_ids or max_new_tokens < 1:
+            raise ValueError(f"need token_ids and max_new_tokens >= 1, got {len(token_ids)} tokens, {max_new_tokens}")
+        cache, pool = self.prefix_cache, self.block_pool
+        match = cache.match(token_ids, namespace) if cache else _NO_MATCH
+        num_cached = match.num_tokens
+        num_new = min(max_new_tokens, len(token_ids) - num_cached)
+        num_tokens = num_cached + num_new
+        self._check_fits(num_tokens)
+        need = self.num_blocks_for(num_tokens) - len(match.blocks)
+        revived = sum(pool.ref_count(b) == 0 for b in match.blocks)  # evictable now, in use after
+        if need > pool.num_free + pool.num_evictable - revived:
+            return None
+        node = cache.path_node(match) if cache else None
+        if node is not None:
+            cache.lock(node)
+        pool.incref(match.blocks)
+        table = [*match.blocks, *self._take(need)]
+        self._seqs[req_id] = _Seq(table, num_tokens, node, len(match.blocks), namespace)
+        self._num_seq_tokens += num_tokens
+        if cache:
+            cache.record_query(len(token_ids), num_cached)
+        return num_cached, num_new
+
+    def grow(self, req_id: Hashable, num_tokens: int) -> bool:
+        """Make the request hold `num_tokens` tokens in total; a block is added only when a block
+        boundary is crossed. False (nothing changed) when there is no room even after eviction.
+        KeyError for an unknown request; ValueError when num_tokens is below what it holds or
+        needs more blocks than the pool has in all."""
+        seq = self._seq(req_id)
+        if num_tokens < seq.num_tokens:
+            raise ValueError(f"request {req_id!r} holds {seq.num_tokens} tokens; cannot shrink to {num_tokens}")
+        need = self.num_blocks_for(num_tokens) - len(seq.block_table)
+        if need > 0:
+            self._check_fits(num_tokens)
+            if need > self.block_pool.num_free + self.block_pool.num_evictable:
+                return False
+            seq.block_table += self._take(need)
+        self._num_seq_tokens += num_tokens - seq.num_tokens
+        seq.num_tokens = num_tokens
+        return True
+
+    def cache_blocks(self, req_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Insert the full pages of `token_ids` (the request's tokens whose KV is computed, a
+        prefix of its sequence) into the tree and lock the longer path. Where another request
+        already cached a page, the request's table switches to that canonical block, and only
+        then is its own duplicate released. A no-op with prefix caching off. KeyError for an
+        unknown request; ValueError when token_ids is longer than the tokens it holds or
+        disagrees with the content of its cached blocks."""
+        seq = self._seq(req_id)
+        if len(token_ids) > seq.num_tokens:
+            raise ValueError(f"request {req_id!r} holds {seq.num_tokens} tokens, not {len(token_ids)}")
+        cache = self.prefix_cache
+        num_pages = len(token_ids) // self.block_size
+        if cache is None or num_pages <= seq.cached_pages:
+            return
+        node, canonical = cache.insert(token_ids, seq.block_table, seq.namespace)
+        assert node is not None
+        table = seq.block_table
+        swaps = [i for i, b in enumerate(canonical) if b != table[i]]
+        duplicates = [table[i] for i in swaps]
+        self.block_pool.incref([canonical[i] for i in swaps])
+        for i in swaps:
+            table[i] = canonical[i]
+        self.block_pool.decref(duplicates)
+        cache.lock(node)
+        if seq.node is not None:
+            cache.unlock(seq.node)
+        seq.node, seq.cached_pages = node, num_pages
+
+    def free(self, req_id: Hashable, token_ids: Sequence[int] | None = None) -> None:
+        """Release a finished, aborted or preempted request. With `token_ids` (the tokens whose
+        KV is computed) their full pages are cached first, as by `cache_blocks`. Its cached blocks
+        become evictable tail first. KeyError for an unknown (or already freed) request; ValueError
+        for bad token_ids, as in `cache_blocks` (then the request is not freed)."""
+        seq = self._seq(req_id)
+        if token_ids is not None:
+            self.cache_blocks(req_id, token_ids)
+        del self._seqs[req_id]
+        if seq.node is not None:
+            self.prefix_cache.unlock(seq.node)
+        self.block_pool.decref(seq.block_table[::-1])
+        self._num_seq_tokens -= seq.num_tokens
+
+    def block_table(self, req_id: Hashable) -> list[int]:
+        """The request's blocks, a live read-only view: do not mutate it. It grows with `grow`,
+        and `cache_blocks` may swap entries for canonical blocks holding the same tokens."""
+        return self._seq(req_id).block_table
+
+    def num_tokens(self, req_id: Hashable) -> int:
+        """The tokens the request holds slots for (what it was last allocated or grown to)."""
+        return self._seq(req_id).num_tokens
+
+    def has_request(self, req_id: Hashable) -> bool:
+        return req_id in self._seqs
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether num_blocks fresh blocks could be handed out now, counting evictable blocks."""
+        pool = self.block_pool
+        return num_blocks <= pool.num_usable and num_blocks <= pool.num_free + pool.num_evictable
+
+    def usage(self) -> KVUsage:
+        pool = self.block_pool
+        return KVUsage(pool.num_usable, pool.num_in_use, pool.num_evictable, pool.num_free, pool.num_in_use / pool.num_usable)
+
+    def slot_usage(self) -> tuple[int, int]:
+        """(slots holding token states, allocated but empty slots) over blocks held by requests.
+
+        Shared blocks count once; they are full. The empty slots are the tails of the requests'
+        last blocks. Cached blocks no request holds are not counted (see `usage().cached`)."""
+        filled = self._num_seq_tokens - self.block_pool.num_extra_refs * self.block_size
+        return filled, self.block_pool.num_in_use * self.block_size - filled
+
+    def stats(self) -> PrefixCacheStats:
+        """Prefix-cache statistics since construction; all zero with prefix caching off."""
+        return self.prefix_cache.stats() if self.prefix_cache else PrefixCacheStats(0, 0, 0, 0, 0)
+
+    def reset_prefix_cache(self) -> bool:
+        """Evict every cached block no request holds. True when the cache is now empty; False when
+        running requests still lock cached paths (those stay). Statistics are kept."""
+        return self.prefix_cache.reset() if self.prefix_cache else True
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless: free + evictable + in use == num_blocks - 1; each block's ref
+        count equals the number of block tables holding it (the tree holds no references); no
+        block is both free and mapped; each table covers its tokens exactly and starts with its
+        locked tree path; each cached node's blocks hold exactly its tokens."""
+        pool = self.block_pool
+        pool.check_invariants()
+        holders = Counter(b for seq in self._seqs.values() for b in seq.block_table)
+        for b in range(self.num_blocks):
+            assert pool.ref_count(b) == holders[b], f"block {b}: ref count {pool.ref_count(b)}, {holders[b]} tables hold it"
+        for req_id, seq in self._seqs.items():
+            assert len(seq.block_table) == self.num_blocks_for(seq.num_tokens), f"{req_id!r}: table does not fit its tokens"
+            if self.prefix_cache:
+                path = self.prefix_cache.path_blocks(seq.node)
+                assert path == seq.block_table[: seq.cached_pages] and len(path) == seq.cached_pages, (
+                    f"{req_id!r}: locked tree path is not the head of its block table"
+                )
+        assert self._num_seq_tokens == sum(s.num_tokens for s in self._seqs.values()), "token counter drifted"
+        if self.prefix_cache:
+            self.prefix_cache.check_invariants()
+
+    def _seq(self, req_id: Hashable) -> _Seq:
+        try:
+            return self._seqs[req_id]
+        except KeyError:
+            raise KeyError(f"unknown request {req_id!r} (never allocated, or already freed)") from None
+
+    def _check_fits(self, num_tokens: int) -> None:
+        if self.num_blocks_for(num_tokens) > self.block_pool.num_usable:
+            raise ValueError(
+                f"{num_tokens} tokens need {self.num_blocks_for(num_tokens)} blocks; the pool has "
+                f"{self.block_pool.num_usable} usable blocks of {self.block_size} tokens"
+            )
+
+    def _take(self, n: int) -> list[int]:
+        """n fresh blocks, evicting unlocked cached blocks first when too few are free."""
+        if self.prefix_cache and self.block_pool.num_free < n:
+            self.prefix_cache.evict(n - self.block_pool.num_free)
+        return self.block_pool.allocate(n)
