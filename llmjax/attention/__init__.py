@@ -1,0 +1,5 @@
+"""Attention over the paged KV cache: a pure-JAX path (`xla`) and Pallas kernels."""
+
+from llmjax.attention.backend import BACKENDS, AttentionBackend, get_attention_backend
+
+__all__ = ["BACKENDS", "AttentionBackend", "get_attention_backend"]

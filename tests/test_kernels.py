@@ -1,0 +1,252 @@
+"""Pallas kernels (interpret mode on CPU) against the pure-JAX references, and lowered for CUDA.
+
+Unwritten outputs cannot pass: Pallas' interpreter fills every output buffer with NaN
+before the kernel runs (`test_interpreter_poisons_outputs` pins that premise), the
+kernels write every element by construction, and every test asserts the whole output
+finite and equal to the reference, padded tokens included (the reference gives zeros
+there). The caches hold NaN outside the requests' contexts, so a masked key that leaks
+into a softmax or a P@V product also fails. Inputs are fresh random values each run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from tests.attention_cases import make_batch, random_cache, rng  # noqa: F401  (rng is a fixture)
+from llmjax.attention import get_attention_backend, xla
+from pallas_kernels import (flash_attention, mla_ragged_paged_attention, paged_attention,
+                            ragged_paged_attention)
+from pallas_kernels.ragged_paged_attention import plan_tiles
+
+BS = 16  # block size: the kernels need powers of two >= 16
+TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def assert_matches(out, ref, dtype):
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all(), "non-finite output: an unwritten or masked-in element"
+    np.testing.assert_allclose(out, np.asarray(ref, np.float32), **TOL[dtype])
+
+
+def lowers_for_cuda(f, *args):
+    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def test_interpreter_poisons_outputs():
+    """The premise of the 'every element written' checks: unwritten outputs read NaN."""
+    def kernel(x_ref, o_ref):
+        pl_triton.store(o_ref.at[pl.ds(0, 16)], x_ref[pl.ds(0, 16)])
+
+    out = pl.pallas_call(kernel, grid=(1,), in_specs=[pl.no_block_spec],
+                         out_specs=pl.no_block_spec, out_shape=jax.ShapeDtypeStruct((32,), jnp.float32),
+                         compiler_params=pl_triton.CompilerParams(), interpret=True)(jnp.ones(32))
+    assert np.isfinite(out[:16]).all() and np.isnan(out[16:]).all()
+
+
+def gqa_inputs(rng, batch, *, num_kv_heads, group, head_dim=16, dtype=jnp.float32):
+    q = jnp.asarray(rng.standard_normal((batch.num_tokens, num_kv_heads * group, head_dim)), dtype)
+    k = random_cache(rng, batch, 2, (num_kv_heads, head_dim), dtype)
+    v = random_cache(rng, batch, 2, (num_kv_heads, head_dim), dtype)
+    return q, k, v, jnp.int32(int(rng.integers(2)))
+
+
+def f32(*xs):
+    return [x.astype(jnp.float32) for x in xs]
+
+
+# --- ragged paged attention (the engine's kernel) ---
+
+def worst_case_lens(rng, num_runs, tile):
+    """Run lengths of 0 or k*tile + 1 (each wastes the most of its last tile) or random."""
+    kind = rng.integers(3, size=num_runs)
+    return np.where(kind == 0, 0, np.where(kind == 1, tile * rng.integers(0, 4, num_runs) + 1,
+                                           rng.integers(1, 3 * tile + 2, num_runs)))
+
+
+def test_plan_tiles_covers_every_token_once(rng):
+    """Within the static tile bound, every flat token (padding included) lands in exactly
+    one tile, with its request's position; padding tiles see no keys."""
+    for _ in range(12):
+        tile = int(rng.choice([1, 2, 4, 8]))
+        num_seqs = int(rng.integers(1, 7))
+        lens = worst_case_lens(rng, num_seqs + 1, tile)  # last one: the padded tail
+        q_lens, pad = lens[:-1], int(lens[-1])
+        seq_lens = np.where(q_lens > 0, q_lens + rng.integers(0, 20, num_seqs), 0)
+        qsl = np.concatenate([[0], np.cumsum(q_lens)])
+        num_tokens = max(1, int(qsl[-1]) + pad)
+        req, tok0, n, pos0, kv_end = np.asarray(
+            jax.jit(plan_tiles, static_argnums=(2, 3))(qsl, seq_lens, num_tokens, tile))
+        owner = np.full(num_tokens, -1)
+        for t in np.flatnonzero(n):
+            toks = tok0[t] + np.arange(n[t])
+            assert (owner[toks] == -1).all()
+            owner[toks] = t
+            if toks[0] < qsl[-1]:  # a real request's tokens
+                r = req[t]
+                assert qsl[r] <= toks[0] and toks[-1] < qsl[r + 1]
+                assert pos0[t] == seq_lens[r] - q_lens[r] + toks[0] - qsl[r]
+                assert kv_end[t] == pos0[t] + n[t]
+            else:
+                assert kv_end[t] == 0
+        assert (owner >= 0).all(), "a token is in no tile: the static tile bound is too small"
+
+
+@pytest.mark.parametrize("kind,group,decode_only,dtype", [
+    ("mixed", 1, False, jnp.float32),
+    ("mixed", 2, False, jnp.float32),
+    ("prefill", 4, False, jnp.float32),
+    ("mixed", 8, False, jnp.float32),
+    ("decode", 2, False, jnp.float32),   # decodes through the tiled path
+    ("decode", 3, True, jnp.float32),    # decode_only: the split-K kernel; group padded to 4
+    ("mixed", 4, False, jnp.bfloat16),
+    ("decode", 8, True, jnp.bfloat16),
+])
+def test_ragged(rng, kind, group, decode_only, dtype):
+    batch = make_batch(rng, kind, block_size=BS, max_blocks=5, max_q=40, num_padded=2)
+    q, k, v, layer = gqa_inputs(rng, batch, num_kv_heads=2, group=group, dtype=dtype)
+    args = (layer, *batch.args())
+    out = ragged_paged_attention(q, k, v, *args, sm_scale=0.25, decode_only=decode_only,
+                                 interpret=True)
+    ref = jax.jit(functools.partial(xla.ragged_paged_attention, sm_scale=0.25,
+                                    decode_only=decode_only))(*f32(q, k, v), *args)
+    assert out.dtype == q.dtype
+    assert_matches(out, ref, dtype)
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_ragged_lowers_for_cuda(rng, decode_only):
+    batch = make_batch(rng, "decode" if decode_only else "mixed", block_size=BS)
+    q, k, v, layer = gqa_inputs(rng, batch, num_kv_heads=2, group=4, head_dim=64,
+                                dtype=jnp.bfloat16)
+    lowers_for_cuda(functools.partial(ragged_paged_attention, sm_scale=0.125,
+                                      decode_only=decode_only), q, k, v, layer, *batch.args())
+
+
+def test_ragged_rejects_unsupported_shapes(rng):
+    batch = make_batch(rng, "decode", block_size=8)
+    q, k, v, layer = gqa_inputs(rng, batch, num_kv_heads=1, group=1)
+    with pytest.raises(ValueError, match="block_size"):
+        ragged_paged_attention(q, k, v, layer, *batch.args(), sm_scale=1.0, interpret=True)
+
+
+# --- paged decode attention (split-K) ---
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_paged_decode(rng, num_splits):
+    batch = make_batch(rng, "decode", block_size=BS, max_blocks=8, num_padded=2)
+    q, k, v, layer = gqa_inputs(rng, batch, num_kv_heads=2, group=4)
+    qsl, seq_lens, tables, _ = batch.args()
+    rows = q[qsl[:-1]]  # padded requests read a padded token: their output must be 0
+    out = paged_attention(rows, k, v, layer, seq_lens, tables, sm_scale=0.25,
+                          num_splits=num_splits, interpret=True)
+    n = seq_lens.shape[0]
+    ref = xla.ragged_paged_attention(rows, k, v, layer, jnp.arange(n + 1), seq_lens, tables,
+                                     jnp.int32(n), sm_scale=0.25, decode_only=True)
+    assert_matches(out, ref, jnp.float32)
+    lowers_for_cuda(functools.partial(paged_attention, sm_scale=0.25, num_splits=num_splits),
+                    rows, k, v, layer, seq_lens, tables)
+
+
+# --- MLA ---
+
+def mla_inputs(rng, batch, *, heads, rank=32, rope=16, dtype=jnp.float32):
+    ql = jnp.asarray(rng.standard_normal((batch.num_tokens, heads, rank)), dtype)
+    qr = jnp.asarray(rng.standard_normal((batch.num_tokens, heads, rope)), dtype)
+    return ql, qr, random_cache(rng, batch, 2, (rank + rope,), dtype), jnp.int32(1)
+
+
+@pytest.mark.parametrize("kind,heads,decode_only,dtype", [
+    ("mixed", 4, False, jnp.float32),
+    ("prefill", 20, False, jnp.float32),  # two head blocks, the second partial
+    ("decode", 4, True, jnp.float32),     # split-K
+    ("mixed", 8, False, jnp.bfloat16),
+])
+def test_mla(rng, kind, heads, decode_only, dtype):
+    batch = make_batch(rng, kind, block_size=BS, max_blocks=6, max_q=40)
+    ql, qr, lat, layer = mla_inputs(rng, batch, heads=heads, dtype=dtype)
+    args = (layer, *batch.args())
+    out = mla_ragged_paged_attention(ql, qr, lat, *args, sm_scale=0.2, decode_only=decode_only,
+                                     interpret=True)
+    ref = jax.jit(functools.partial(xla.mla_ragged_paged_attention, sm_scale=0.2,
+                                    decode_only=decode_only))(*f32(ql, qr, lat), *args)
+    assert_matches(out, ref, dtype)
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_mla_lowers_for_cuda(rng, decode_only):
+    batch = make_batch(rng, "decode" if decode_only else "mixed", block_size=BS)
+    ql, qr, lat, layer = mla_inputs(rng, batch, heads=16, rank=512, rope=64, dtype=jnp.bfloat16)
+    lowers_for_cuda(functools.partial(mla_ragged_paged_attention, sm_scale=0.1,
+                                      decode_only=decode_only), ql, qr, lat, layer, *batch.args())
+
+
+# --- flash attention (dense causal prefill) ---
+
+def dense_attention(q, k, v, *, causal, q_offset):
+    """Reference: materialised scores, float32, K/V repeated per group."""
+    q, k, v = f32(q, k, v)
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") * q.shape[-1] ** -0.5
+    if causal:
+        q_pos = q_offset + jnp.arange(q.shape[1])
+        s = jnp.where(jnp.arange(k.shape[1])[None, :] <= q_pos[:, None], s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v, precision="highest")
+
+
+@pytest.mark.parametrize("q_len,kv_len,heads,kv_heads,head_dim,causal,dtype", [
+    (40, 40, 4, 4, 64, True, jnp.float32),      # MHA, partial last tiles
+    (20, 75, 8, 1, 64, True, jnp.float32),      # MQA, chunked prefill (q offset 55)
+    (33, 33, 4, 2, 48, True, jnp.float32),      # head dim padded to 64
+    (24, 40, 2, 2, 16, False, jnp.float32),     # non-causal
+    (48, 48, 8, 2, 128, True, jnp.bfloat16),
+])
+def test_flash(rng, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype):
+    q = jnp.asarray(rng.standard_normal((2, q_len, heads, head_dim)), dtype)
+    k = jnp.asarray(rng.standard_normal((2, kv_len, kv_heads, head_dim)), dtype)
+    v = jnp.asarray(rng.standard_normal((2, kv_len, kv_heads, head_dim)), dtype)
+    out = flash_attention(q, k, v, causal=causal, block_q=16, block_k=16, interpret=True)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_matches(out, dense_attention(q, k, v, causal=causal, q_offset=kv_len - q_len), dtype)
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(64, jnp.float32), (128, jnp.bfloat16)])
+def test_flash_lowers_for_cuda(head_dim, dtype):
+    q = jnp.zeros((1, 256, 8, head_dim), dtype)
+    k = jnp.zeros((1, 512, 2, head_dim), dtype)
+    lowers_for_cuda(flash_attention, q, k, k)
+
+
+# --- backend selection ---
+
+def test_backend_names():
+    on_gpu = jax.default_backend() == "gpu"
+    assert get_attention_backend(None).name == ("pallas" if on_gpu else "xla")
+    assert get_attention_backend("xla").ragged_paged_attention is xla.ragged_paged_attention
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attention_backend("cudnn")
+    if not on_gpu:
+        with pytest.raises(ValueError, match="needs a GPU"):
+            get_attention_backend("pallas")
+
+
+def test_pallas_interpret_backend_in_scan(rng):
+    """The model's use: inside jit, inside lax.scan over layers with a traced layer."""
+    batch = make_batch(rng, "mixed", block_size=BS, max_blocks=3)
+    q, k, v, _ = gqa_inputs(rng, batch, num_kv_heads=1, group=2)
+    args = batch.args()
+
+    def all_layers(backend):
+        def body(_, layer):
+            return None, backend.ragged_paged_attention(q, k, v, layer, *args, sm_scale=0.25)
+        return jax.jit(lambda: jax.lax.scan(body, None, jnp.arange(2, dtype=jnp.int32))[1])()
+
+    out = all_layers(get_attention_backend("pallas-interpret"))
+    assert_matches(out, all_layers(get_attention_backend("xla")), jnp.float32)
