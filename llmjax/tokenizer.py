@@ -1,7 +1,7 @@
 """Tokenizers, the chat template, and incremental detokenization.
 
 - `Tokenizer`: a HF tokenizer (from a model folder or a GGUF file) plus the model's end-of-turn ids.
-- `ByteTokenizer`: UTF-8 bytes as tokens, for the random tiny presets (no vocabulary to load).
+- `CharTokenizer`: printable characters as tokens, for the random tiny presets (no vocabulary).
 - `render_chat_template`: renders a Jinja chat template the way HF does (sandboxed, trim/lstrip blocks).
 - `IncrementalDetokenizer`: turns a growing list of ids into text deltas; never emits half of a
   multi-byte character split across tokens.
@@ -71,20 +71,25 @@ class Tokenizer:
         return self.encode(self.chat_prompt(messages, add_generation_prompt), add_special_tokens=False)
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 3..258 (0 pad, 1 bos, 2 eos): text I/O for random tiny models."""
+class CharTokenizer:
+    """Printable ASCII as tokens, for the random tiny presets (they have no vocabulary to load).
+
+    Ids 0/1/2 are pad/bos/eos; every other id decodes to one printable character
+    (`chr(32 + (id - 3) % 95)`), so any sampled id is visible text. Characters outside
+    printable ASCII encode as '?'.
+    """
 
     OFFSET = 3
-    vocab_size = 256 + OFFSET
+    NUM_CHARS = 95
     eos_token_ids = frozenset({2})
     chat_template = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return ([1] if add_special_tokens else []) + [b + self.OFFSET for b in text.encode("utf-8")]
+        ids = [self.OFFSET + (ord(c) - 32 if 32 <= ord(c) < 127 else ord("?") - 32) for c in text]
+        return ([1] if add_special_tokens else []) + ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.OFFSET + 256)
-        return data.decode("utf-8", errors="replace")
+        return "".join(chr(32 + (i - self.OFFSET) % self.NUM_CHARS) for i in ids if i >= self.OFFSET)
 
     def token_to_text(self, token_id: int) -> str:
         return self.decode([token_id])
@@ -97,9 +102,9 @@ class ByteTokenizer:
         return self.encode(self.chat_prompt(messages, add_generation_prompt))
 
 
-def load_tokenizer(source: ModelSource, eos_token_ids: Sequence[int] = ()) -> Tokenizer | ByteTokenizer:
+def load_tokenizer(source: ModelSource, eos_token_ids: Sequence[int] = ()) -> Tokenizer | CharTokenizer:
     if source.kind == "preset":
-        return ByteTokenizer()
+        return CharTokenizer()
     from transformers import AutoTokenizer
 
     if source.kind == "gguf":
@@ -118,7 +123,7 @@ class IncrementalDetokenizer:
     the next token completes it.
     """
 
-    def __init__(self, tokenizer: Tokenizer | ByteTokenizer, prompt_ids: Sequence[int] = ()):
+    def __init__(self, tokenizer: Tokenizer | CharTokenizer, prompt_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.ids: list[int] = list(prompt_ids[-6:])
         self.prefix_offset = 0

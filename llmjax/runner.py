@@ -1,0 +1,212 @@
+"""The model runner: pads a scheduled batch into a `StepInput`, runs one jitted step, returns tokens.
+
+Owns the KV cache arrays and the jitted step. The step is a pure function of
+(parameters, cache, StepInput, SamplingInput); the cache is donated, so the KV write happens in
+place and no step copies the cache. Shapes are bucketed (powers of two) for tokens T, requests S
+and blocks per request B; `decode_only` and the logprob count are static. A counter in the traced
+body counts compilations: serving a workload twice compiles nothing the second time.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from llmjax.attention.backend import get_attention_backend
+from llmjax.config import EngineConfig
+from llmjax.models.loader import LoadedModel
+from llmjax.models.transformer import init_cache
+from llmjax.sampler import SamplingInput, sample
+from llmjax.sampling_params import MAX_LOGPROBS
+from llmjax.scheduler import SchedulerOutput
+from llmjax.step_input import StepInput
+
+MIN_TOKEN_BUCKET = 8
+MIN_BLOCK_BUCKET = 8
+
+
+def bucket(n: int, lo: int, hi: int) -> int:
+    """Smallest power of two >= max(n, lo), capped at `hi`."""
+    size = lo
+    while size < n:
+        size *= 2
+    return min(size, hi)
+
+
+def enable_compilation_cache(path: str | None = None) -> None:
+    """Turn on JAX's persistent compilation cache (default: ~/.cache/llmjax/jax)."""
+    path = path or os.environ.get("LLMJAX_COMPILATION_CACHE", str(Path.home() / ".cache" / "llmjax" / "jax"))
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+@dataclass
+class StepResult:
+    """Per scheduled request (in `SchedulerOutput.scheduled` order): sampled token and logprobs."""
+
+    token_ids: np.ndarray  # [n] int32
+    logprobs: np.ndarray  # [n] float32, the sampled token's logprob
+    top_ids: np.ndarray  # [n, k]
+    top_logprobs: np.ndarray  # [n, k]
+
+
+_STEP_FUNCTIONS: dict[tuple, tuple] = {}
+
+
+def _make_step_function(graphdef, backend, block_size: int):
+    """The jitted step for one model structure; shared by runners of equal structure (so tests
+    and experiments that build several engines compile each bucket once per process).
+    Returns (jitted function, a one-element list counting traces = compilations)."""
+    traces = [0]
+
+    def step(params, cache, step_input: StepInput, sampling: SamplingInput, *, decode_only: bool,
+             num_top_logprobs: int):
+        traces[0] += 1  # runs only while tracing
+        model = nnx.merge(graphdef, params)
+        logits, cache = model.forward_paged(cache, step_input, backend, block_size, decode_only)
+        return sample(logits, sampling, num_top_logprobs), cache
+
+    jitted = jax.jit(step, static_argnames=("decode_only", "num_top_logprobs"), donate_argnums=(1,))
+    return jitted, traces
+
+
+class ModelRunner:
+    """Builds inputs and runs the jitted step. Not thread-safe (the engine loop owns it)."""
+
+    def __init__(self, model: LoadedModel, config: EngineConfig, num_blocks: int, kv_dtype):
+        self.model_config = model.config
+        self.config = config
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        self.backend = get_attention_backend(config.attention_backend)
+        self.graphdef = model.graphdef
+        self.params = model.params
+        self.cache = init_cache(model.config, num_blocks, config.block_size, kv_dtype)
+        self.num_compiles = 0
+        self.time_prepare = 0.0
+        self.time_device = 0.0
+        key = (model.config, str(jax.tree.leaves(model.params)[0].dtype), self.backend.name, self.block_size)
+        if key not in _STEP_FUNCTIONS:
+            _STEP_FUNCTIONS[key] = _make_step_function(model.graphdef, self.backend, self.block_size)
+        self._step_fn, self._traces = _STEP_FUNCTIONS[key]
+
+    def _step(self, *args, **static):
+        traces_before = self._traces[0]
+        result = self._step_fn(*args, **static)
+        self.num_compiles += self._traces[0] - traces_before
+        return result
+
+    # --- input building ------------------------------------------------------------------------
+    def shapes_for(self, num_tokens: int, num_reqs: int, max_blocks: int) -> tuple[int, int, int]:
+        t = bucket(num_tokens, MIN_TOKEN_BUCKET, max(self.config.max_num_batched_tokens, MIN_TOKEN_BUCKET))
+        s = bucket(num_reqs, 1, self.config.max_num_seqs)
+        b = bucket(max_blocks, MIN_BLOCK_BUCKET, self.max_blocks_per_seq)
+        return t, s, b
+
+    def prepare(self, out: SchedulerOutput, block_tables: list[list[int]]) -> tuple[StepInput, SamplingInput, bool, int]:
+        """Pad the scheduled batch into device arrays. Vectorised over tokens; loops over requests only."""
+        sched = out.scheduled
+        n_new = np.array([s.num_new_tokens for s in sched], np.int32)
+        starts = np.array([s.start for s in sched], np.int32)
+        total = int(n_new.sum())
+        t, s, b = self.shapes_for(total, len(sched), max(len(bt) for bt in block_tables))
+
+        tables = np.zeros((s, b), np.int32)
+        for i, bt in enumerate(block_tables):
+            tables[i, : len(bt)] = bt
+        qsl = np.zeros(s + 1, np.int32)
+        np.cumsum(n_new, out=qsl[1 : len(sched) + 1])
+        qsl[len(sched) + 1 :] = total
+        req_of_token = np.repeat(np.arange(len(sched)), n_new)
+        positions = np.zeros(t, np.int32)
+        positions[:total] = starts[req_of_token] + np.arange(total) - qsl[req_of_token]
+        slots = np.zeros(t, np.int32)
+        slots[:total] = tables[req_of_token, positions[:total] // self.block_size] * self.block_size + (
+            positions[:total] % self.block_size
+        )
+        tokens = np.zeros(t, np.int32)
+        tokens[:total] = np.concatenate(
+            [s_.request.all_token_ids[s_.start : s_.start + s_.num_new_tokens] for s_ in sched]
+        )
+        seq_lens = np.zeros(s, np.int32)
+        seq_lens[: len(sched)] = starts + n_new
+        logits_idx = np.zeros(s, np.int32)
+        logits_idx[: len(sched)] = qsl[1 : len(sched) + 1] - 1
+        step = StepInput(
+            token_ids=tokens, positions=positions, slot_mapping=slots, query_start_loc=qsl, seq_lens=seq_lens,
+            block_tables=tables, logits_indices=logits_idx, num_decodes=np.int32(out.num_decodes),
+        )
+        sampling = self._sampling_input(out, s)
+        decode_only = out.num_decodes == len(sched)
+        want_top = any((r.request.sampling_params.logprobs or 0) > 0 for r in sched)
+        return step, sampling, decode_only, MAX_LOGPROBS if want_top else 0
+
+    @staticmethod
+    def _sampling_input(out: SchedulerOutput, s: int) -> SamplingInput:
+        temp = np.zeros(s, np.float32)
+        top_k = np.zeros(s, np.int32)
+        top_p = np.ones(s, np.float32)
+        min_p = np.zeros(s, np.float32)
+        seeds = np.zeros(s, np.uint32)
+        index = np.zeros(s, np.int32)
+        for i, sr in enumerate(out.scheduled):
+            p, r = sr.request.sampling_params, sr.request
+            temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+            seeds[i], index[i] = r.seed, len(r.output_token_ids)
+        return SamplingInput(temp, top_k, top_p, min_p, seeds, index)
+
+    # --- execution ---------------------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepResult:
+        t0 = time.perf_counter()
+        step, sampling, decode_only, num_top = self.prepare(out, block_tables)
+        t1 = time.perf_counter()
+        (tokens, logprobs, top_ids, top_lp), self.cache = self._step(
+            self.params, self.cache, step, sampling, decode_only=decode_only, num_top_logprobs=num_top
+        )
+        n = len(out.scheduled)
+        result = StepResult(np.asarray(tokens)[:n], np.asarray(logprobs)[:n], np.asarray(top_ids)[:n],
+                            np.asarray(top_lp)[:n])
+        self.time_prepare += t1 - t0
+        self.time_device += time.perf_counter() - t1
+        return result
+
+    def warmup(self, shapes: list[tuple[int, int, int, bool]]) -> None:
+        """Compile the step for each (T, S, B, decode_only) bucket ahead of serving, with a progress bar.
+
+        Runs on all-padding inputs (every write lands in the null block), so the cache is unchanged.
+        """
+        for t, s, b, decode_only in tqdm(shapes, desc="compiling step buckets", unit="bucket"):
+            step = StepInput(
+                token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32), slot_mapping=np.zeros(t, np.int32),
+                query_start_loc=np.zeros(s + 1, np.int32), seq_lens=np.zeros(s, np.int32),
+                block_tables=np.zeros((s, b), np.int32), logits_indices=np.zeros(s, np.int32),
+                num_decodes=np.int32(0),
+            )
+            sampling = SamplingInput(np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
+                                     np.zeros(s, np.float32), np.zeros(s, np.uint32), np.zeros(s, np.int32))
+            _, self.cache = self._step(self.params, self.cache, step, sampling, decode_only=decode_only,
+                                       num_top_logprobs=0)
+        jax.block_until_ready(self.cache)
+
+    def warmup_shapes(self) -> list[tuple[int, int, int, bool]]:
+        """The common buckets: decode-only steps at each request-count bucket, and full-budget mixed steps."""
+        cfg = self.config
+        b = bucket(MIN_BLOCK_BUCKET, MIN_BLOCK_BUCKET, self.max_blocks_per_seq)
+        shapes = []
+        s = 1
+        while True:
+            t, s_, _ = self.shapes_for(s, s, b)
+            shapes.append((t, s_, b, True))
+            if s_ >= cfg.max_num_seqs:
+                break
+            s *= 2
+        t, s_, _ = self.shapes_for(cfg.max_num_batched_tokens, cfg.max_num_seqs, b)
+        shapes.append((t, s_, b, False))
+        return shapes

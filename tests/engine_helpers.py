@@ -1,0 +1,70 @@
+"""Shared helpers for engine tests: tiny engines and an independent dense greedy reference."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from llmjax.config import EngineConfig
+from llmjax.engine import LLMEngine
+from llmjax.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+REF_LEN = 128  # the dense reference pads every sequence to this length (one compilation)
+
+
+def tiny_engine(preset: str = "tiny-gqa", **overrides) -> LLMEngine:
+    cfg = dict(max_num_batched_tokens=64, max_num_seqs=8, block_size=8, max_model_len=REF_LEN,
+               kv_cache_memory_bytes=2 << 20, attention_backend="xla")
+    cfg.update(overrides)
+    return LLMEngine.from_config(preset, EngineConfig(**cfg), seed=0)
+
+
+def run_to_completion(engine: LLMEngine, prompts, params=GREEDY, check_invariants: bool = True):
+    """Submit all prompts at once, step until done; returns finished outputs in submission order."""
+    ids = [engine.add_request(list(p), params) for p in prompts]
+    engine.scheduler.input_closed = True
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if check_invariants:
+            engine.check_kv_invariants()
+    return [done[i] for i in ids]
+
+
+@functools.lru_cache(maxsize=4)
+def _dense_logits_fn(graphdef):
+    @jax.jit
+    def logits(params, tokens):
+        return nnx.merge(graphdef, params)(tokens[None])[0]
+
+    return logits
+
+
+def dense_greedy(engine: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy continuation with the dense (no cache) forward: tokens and the logits behind each."""
+    fn = _dense_logits_fn(engine.runner.graphdef)
+    tokens, all_logits = list(prompt), []
+    for _ in range(max_tokens):
+        padded = np.zeros(REF_LEN, np.int32)
+        padded[: len(tokens)] = tokens
+        logits = np.asarray(fn(engine.runner.params, jnp.asarray(padded)))[len(tokens) - 1]
+        all_logits.append(logits)
+        tokens.append(int(logits.argmax()))
+    return tokens[len(prompt):], all_logits
+
+
+def assert_greedy_matches(got: list[int], expected: list[int], logits: list[np.ndarray], margin: float = 1e-4):
+    """Equal, or diverging only where the reference scores both tokens within `margin` (a float near-tie)."""
+    for i, (a, b) in enumerate(zip(got, expected)):
+        if a != b:
+            gap = float(logits[i][b] - logits[i][a])
+            assert gap < margin, f"token {i}: got {a}, expected {b}; the reference prefers {b} by {gap}"
+            return
+    assert len(got) == len(expected)

@@ -1,0 +1,144 @@
+"""The engine on tiny random models: greedy outputs equal a dense no-cache reference under every
+batching configuration, sampling, stops, abort, KV invariants, compilation counts."""
+
+import numpy as np
+import pytest
+
+from llmjax.engine import RequestError
+from llmjax.sampling_params import SamplingParams
+from tests.engine_helpers import GREEDY, assert_greedy_matches, dense_greedy, run_to_completion, tiny_engine
+
+RNG = np.random.default_rng(1234)
+SHARED = RNG.integers(3, 250, size=40).tolist()
+PROMPTS = [SHARED + RNG.integers(3, 250, size=n).tolist() for n in (1, 7, 20)] + [
+    RNG.integers(3, 250, size=n).tolist() for n in (5, 33, 70, 2)
+]
+
+CONFIGS = {
+    "continuous": {},
+    "no-chunked-prefill": dict(enable_chunked_prefill=False, max_num_batched_tokens=128),
+    "chunk-16": dict(max_num_batched_tokens=16),
+    "chunk-24": dict(max_num_batched_tokens=24),
+    "no-prefix-cache": dict(enable_prefix_caching=False),
+    "lpm": dict(queue_order="lpm"),
+    "max-seqs-1": dict(max_num_seqs=1),
+    "max-seqs-4": dict(max_num_seqs=4),
+    "max-seqs-64": dict(max_num_seqs=64, max_num_batched_tokens=256),
+    "static": dict(scheduling_policy="static", batch_size=3),
+    "dynamic": dict(scheduling_policy="dynamic", batch_size=3, max_delay=0.0),
+}
+
+
+@pytest.fixture(scope="module", params=["tiny-gqa", "tiny-mla"])
+def reference(request):
+    engine = tiny_engine(request.param)
+    return request.param, [dense_greedy(engine, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_greedy_equals_dense_reference(reference, config):
+    preset, expected = reference
+    engine = tiny_engine(preset, **CONFIGS[config])
+    outputs = run_to_completion(engine, PROMPTS)
+    for out, (tokens, logits) in zip(outputs, expected):
+        assert_greedy_matches(out.token_ids, tokens, logits)
+    assert engine.kv.usage().used == 0
+
+
+def test_preemption_keeps_outputs(reference):
+    preset, expected = reference
+    # 24 usable blocks of 8 tokens: too few for every prompt's growth at once, enough for any single one
+    engine = tiny_engine(preset, kv_cache_memory_bytes=25 * 8 * engine_bytes_per_token(preset))
+    outputs = run_to_completion(engine, PROMPTS)
+    assert engine.scheduler.num_preemptions > 0
+    for out, (tokens, logits) in zip(outputs, expected):
+        assert_greedy_matches(out.token_ids, tokens, logits)
+
+
+def engine_bytes_per_token(preset):
+    from llmjax.config import PRESETS
+
+    return PRESETS[preset].kv_bytes_per_token(4)
+
+
+def test_prefix_cache_hits_shared_prompts():
+    engine = tiny_engine()
+    run_to_completion(engine, PROMPTS[:1])
+    [out] = run_to_completion(engine, PROMPTS[1:2])
+    assert out.num_cached_tokens == 40  # the 40 shared tokens are 5 whole blocks of 8
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch():
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True)
+    alone = run_to_completion(tiny_engine(), [PROMPTS[0]], params)[0].token_ids
+    others = SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True)
+    engine = tiny_engine()
+    ids = [engine.add_request(PROMPTS[3], others), engine.add_request(PROMPTS[0], params),
+           engine.add_request(PROMPTS[4], others)]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[ids[1]].token_ids == alone
+    unseeded = run_to_completion(tiny_engine(), [PROMPTS[0]], SamplingParams(temperature=1.0, max_tokens=10))
+    assert len(unseeded[0].token_ids) > 0
+
+
+def test_stop_string_cuts_the_text():
+    engine = tiny_engine()
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    [full] = run_to_completion(engine, [PROMPTS[2]], params)
+    text = full.text
+    stop = text[10:12]
+    [cut] = run_to_completion(engine, [PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=30,
+                                                                    ignore_eos=True, stop=[stop]))
+    assert cut.text == text[: text.find(stop)]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+
+
+def test_stop_token_ids_and_max_tokens():
+    engine = tiny_engine()
+    [full] = run_to_completion(engine, [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert full.finish_reason == "length" and len(full.token_ids) == 8
+    stop_id = full.token_ids[3]
+    [cut] = run_to_completion(engine, [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                                    stop_token_ids=[stop_id]))
+    first = full.token_ids.index(stop_id)
+    assert cut.token_ids == full.token_ids[: first + 1] and cut.stop_reason == stop_id
+
+
+def test_abort_frees_every_block():
+    engine = tiny_engine()
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    for _ in range(3):
+        engine.step()
+        engine.check_kv_invariants()
+    for rid in ids:
+        engine.abort(rid)
+    engine.check_kv_invariants()
+    assert engine.kv.usage().used == 0 and not engine.has_unfinished_requests()
+    assert engine.abort(ids[0]) is None
+
+
+def test_too_long_request_is_refused_and_harms_nobody():
+    engine = tiny_engine()
+    good = engine.add_request(PROMPTS[0], GREEDY)
+    with pytest.raises(RequestError, match="maximum context length is 128 tokens"):
+        engine.add_request(list(range(3, 120)), SamplingParams(max_tokens=20))
+    with pytest.raises(RequestError, match="empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(RequestError, match="token ids"):
+        engine.add_request([100000], GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert list(done) == [good]
+
+
+def test_second_run_compiles_nothing():
+    engine = tiny_engine(enable_prefix_caching=False)  # with caching on, a rerun hits the cache: other shapes
+    first = run_to_completion(engine, PROMPTS)
+    compiles = engine.runner.num_compiles
+    assert compiles <= 24  # bounded by the buckets (0 when earlier tests compiled them)
+    second = run_to_completion(engine, PROMPTS)
+    assert engine.runner.num_compiles == compiles
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
