@@ -26,13 +26,14 @@ class RequestStatus(enum.Enum):
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """Prompt and output token ids, progress, status, timings.
 
     `num_computed_tokens`: tokens whose KV is in the cache (a prefix hit counts). The request
     needs `len(all_token_ids) - num_computed_tokens` more tokens computed before it can sample.
     `namespace` is the prefix-cache tenant (None: the shared default).
+    Compared and hashed by identity.
     """
 
     request_id: str

@@ -1,0 +1,143 @@
+"""Scheduler policies on the real KV manager, with a fake model (every step emits token 7)."""
+
+import itertools
+
+import pytest
+
+from llmjax.config import EngineConfig
+from llmjax.kv.manager import KVCacheManager
+from llmjax.request import Request, RequestStatus
+from llmjax.sampling_params import SamplingParams
+from llmjax.scheduler import Scheduler
+
+_ids = itertools.count()
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def make(prompt_len: int, max_tokens: int = 4, arrival: float = 0.0, first_token: int | None = None) -> Request:
+    """A request whose prompt is a distinct run of ids (no accidental prefix sharing) unless `first_token` is given."""
+    i = next(_ids)
+    start = 1000 * (i + 1) if first_token is None else first_token
+    params = SamplingParams(max_tokens=max_tokens)
+    return Request(f"r{i}", list(range(start, start + prompt_len)), params, seed=0, arrival_time=arrival)
+
+
+def scheduler(num_blocks=64, clock=None, **cfg) -> Scheduler:
+    config = EngineConfig(**{"block_size": 4, "max_model_len": 256, "max_num_batched_tokens": 16,
+                             "max_num_seqs": 8, **cfg})
+    return Scheduler(config, KVCacheManager(num_blocks, 4, config.enable_prefix_caching), clock or FakeClock())
+
+
+def run_step(s: Scheduler):
+    """schedule, then what the engine does after the forward: append tokens, finish at max_tokens."""
+    out = s.schedule()
+    s.after_step(out)
+    for sr in out.scheduled:
+        if sr.samples:
+            sr.request.output_token_ids.append(7)
+            if len(sr.request.output_token_ids) >= sr.request.sampling_params.max_tokens:
+                s.finish(sr.request, RequestStatus.FINISHED_LENGTH)
+    s.kv.check_invariants()
+    return out
+
+
+def test_budget_chunks_long_prompts_and_decodes_go_first():
+    s = scheduler()
+    a, b = make(6), make(40)
+    s.add(a)
+    s.add(b)
+    first = run_step(s)
+    assert [(x.request, x.num_new_tokens) for x in first.scheduled] == [(a, 6), (b, 10)]
+    second = run_step(s)
+    assert second.num_decodes == 1 and second.scheduled[0].request is a
+    assert [(x.request, x.num_new_tokens) for x in second.scheduled] == [(a, 1), (b, 15)]
+    assert all(o.num_tokens <= 16 for o in (first, second))
+
+
+def test_a_chunk_never_starves_running_decodes():
+    s = scheduler(max_num_batched_tokens=8)
+    decoders = [make(2, max_tokens=50) for _ in range(3)]
+    for r in decoders:
+        s.add(r)
+    run_step(s)
+    s.add(make(100))
+    for _ in range(10):
+        out = run_step(s)
+        assert {x.request for x in out.scheduled[: out.num_decodes]} == set(decoders)
+
+
+def test_max_num_seqs():
+    s = scheduler(max_num_seqs=2)
+    for _ in range(5):
+        s.add(make(2))
+    out = run_step(s)
+    assert len(out.scheduled) == 2 and len(s.waiting) == 3
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_step():
+    s = scheduler(enable_chunked_prefill=False, max_num_batched_tokens=256)
+    s.add(make(200))
+    s.add(make(100))
+    out = run_step(s)
+    assert [x.num_new_tokens for x in out.scheduled] == [200]  # 100 more would exceed 256
+
+
+def test_static_batch_waits_until_full_then_runs_to_its_longest_member():
+    s = scheduler(scheduling_policy="static", batch_size=2)
+    short, long_ = make(3, max_tokens=2), make(3, max_tokens=6)
+    s.add(short)
+    assert run_step(s).empty  # one request: the batch is not full
+    s.add(long_)
+    late = make(3)
+    s.add(late)
+    steps = [run_step(s) for _ in range(6)]
+    ran = [{x.request for x in o.scheduled} for o in steps]
+    assert all(late not in r for r in ran)  # nobody joins until the batch is done
+    assert ran[2] == {long_}  # the short one left; its slot stays idle
+    assert run_step(s).empty  # the batch is done; one waiting request is not a full batch
+    s.input_closed = True  # ... unless no more requests will come
+    assert late in {x.request for x in run_step(s).scheduled}
+
+
+def test_dynamic_batch_leaves_after_max_delay():
+    clock = FakeClock()
+    s = scheduler(clock=clock, scheduling_policy="dynamic", batch_size=4, max_delay=1.0)
+    s.add(make(3, arrival=0.0))
+    assert run_step(s).empty
+    clock.now = 1.5
+    assert len(run_step(s).scheduled) == 1
+
+
+def test_preemption_evicts_the_newest_and_admits_nobody_that_step():
+    # 6 usable blocks of 4 tokens; three requests of 8 prompt tokens take 2 blocks each
+    s = scheduler(num_blocks=7, max_num_batched_tokens=64)
+    reqs = [make(8, max_tokens=20) for _ in range(3)]
+    for r in reqs:
+        s.add(r)
+    run_step(s)
+    s.add(make(2))
+    out = run_step(s)  # each needs a third block for its 9th token: the newest is preempted
+    assert out.preempted == [reqs[2]]
+    assert reqs[2].status is RequestStatus.WAITING and s.waiting[0] is reqs[2]
+    assert {x.request for x in out.scheduled} == set(reqs[:2])
+    assert reqs[2].num_computed_tokens == 0 and reqs[2].output_token_ids == [7]
+
+
+def test_lpm_orders_waiting_by_cached_prefix():
+    s = scheduler(queue_order="lpm", max_num_seqs=1)
+    first = make(12, max_tokens=1, first_token=3)
+    s.add(first)
+    run_step(s)
+    other = make(12, max_tokens=1)
+    sharing = make(12, max_tokens=1, first_token=3)
+    s.add(other)
+    s.add(sharing)
+    out = run_step(s)
+    assert out.scheduled[0].request is sharing and out.scheduled[0].start == 8
