@@ -32,6 +32,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", choices=["xla", "pallas", "pallas-interpret"], default=None)
     parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                        help="shard the model over this many devices (docs/parallelism.md)")
+    parser.add_argument("--coordinator-address", default=None,
+                        help="host:port of process 0 in a multi-host run (jax.distributed)")
+    parser.add_argument("--num-processes", type=int, default=None, help="processes in a multi-host run")
+    parser.add_argument("--process-id", type=int, default=None, help="this process's rank in a multi-host run")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -42,6 +48,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, scheduling_policy=args.scheduling_policy,
         queue_order=args.queue_order, batch_size=args.batch_size, max_delay=args.max_delay,
         attention_backend=args.attention_backend, dtype=args.dtype, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size, coordinator_address=args.coordinator_address,
+        num_processes=args.num_processes, process_id=args.process_id,
     )
 
 
@@ -59,6 +67,28 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(out.text)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from llmjax.engine import LLMEngine
+    from llmjax.models.loader import resolve_source
+    from llmjax.serve.api import build_app
+
+    name = args.served_model_name or resolve_source(args.model).name
+    engine = LLMEngine.from_config(args.model, engine_config_from_args(args), seed=args.seed)
+    if args.warmup:
+        engine.warmup()
+    app = build_app(engine, name)
+    print(f"serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from llmjax.bench import run_bench
+
+    run_bench(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="llmjax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +101,23 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the name clients send (default: the model's)")
+    serve.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                       help="compile the common step shapes before accepting requests")
+    serve.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+    serve.set_defaults(func=cmd_serve)
+
+    from llmjax.bench import add_bench_args
+
+    bench = sub.add_parser("bench", help="benchmark a running server (like `vllm bench serve`)")
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)
     args.func(args)

@@ -287,7 +287,9 @@ class EngineConfig:
 
     `kv_cache_memory_bytes` sizes the KV pool (num_blocks = budget / (block_size * bytes per token));
     when None, `gpu_memory_utilization` of the device's free memory is used on an accelerator and
-    a 1 GiB budget on CPU.
+    a 1 GiB budget on CPU. The budget is per device: with `tensor_parallel_size` N the GQA cache is
+    split by KV head over N devices (the MLA latent cache is replicated); see `llmjax/parallel.py`.
+    `coordinator_address`, `num_processes`, `process_id` join a multi-host run (`jax.distributed`).
     """
 
     max_num_batched_tokens: int = 512
@@ -307,6 +309,10 @@ class EngineConfig:
     kv_cache_dtype: str | None = None
     seed: int = 0
     compilation_cache_dir: str | None = field(default=None)
+    tensor_parallel_size: int = 1
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
     def __post_init__(self) -> None:
         positive = ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_model_len", "batch_size")
@@ -328,6 +334,12 @@ class EngineConfig:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.max_delay < 0:
             raise ConfigError("max_delay must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        if self.coordinator_address is None and (self.num_processes, self.process_id) != (None, None):
+            raise ConfigError("num_processes and process_id need a coordinator_address")
+        if self.num_processes is not None and not 0 <= (self.process_id or 0) < self.num_processes:
+            raise ConfigError(f"process_id must be in [0, num_processes={self.num_processes}), got {self.process_id}")
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -16,6 +16,7 @@ from typing import Hashable, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from llmjax import parallel
 from llmjax.config import EngineConfig
 from llmjax.kv.manager import KVCacheManager
 from llmjax.kv.sizing import num_blocks_from_budget
@@ -70,6 +71,7 @@ class _TextState:
 
 class LLMEngine:
     def __init__(self, model: LoadedModel, tokenizer: Tokenizer | CharTokenizer, config: EngineConfig):
+        model = parallel.prepare_model(model, config.tensor_parallel_size)
         self.config = config
         self.model_config = model.config
         self.tokenizer = tokenizer
@@ -77,7 +79,8 @@ class LLMEngine:
         dtype = jnp.dtype(config.dtype or default_dtype())
         kv_dtype = jnp.dtype(config.kv_cache_dtype) if config.kv_cache_dtype else dtype
         budget = config.kv_cache_memory_bytes or CPU_KV_BUDGET_BYTES
-        bytes_per_token = model.config.kv_bytes_per_token(kv_dtype.itemsize)
+        bytes_per_token = parallel.kv_bytes_per_token_per_device(model.config, kv_dtype.itemsize,
+                                                                 config.tensor_parallel_size)
         self.num_blocks = num_blocks_from_budget(budget, config.block_size, bytes_per_token)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
@@ -95,6 +98,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, model: str | None = None, config: EngineConfig | None = None, seed: int = 0) -> LLMEngine:
         config = config or EngineConfig()
+        parallel.initialize_distributed(config)
         enable_compilation_cache(config.compilation_cache_dir)
         dtype = jnp.dtype(config.dtype or default_dtype())
         loaded = load_model(model, dtype=dtype, seed=seed)

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from llmjax import parallel
 from llmjax.attention.backend import get_attention_backend
 from llmjax.config import EngineConfig
 from llmjax.models.loader import LoadedModel
@@ -60,25 +61,35 @@ class StepResult:
 _STEP_FUNCTIONS: dict[tuple, tuple] = {}
 
 
-def _make_step_function(graphdef, backend, block_size: int):
-    """The jitted step for one model structure; shared by runners of equal structure (so tests
-    and experiments that build several engines compile each bucket once per process).
+def _make_step_function(graphdef, backend, block_size: int, layout: parallel.Layout | None):
+    """The jitted step for one model structure (and mesh); shared by runners of equal structure (so
+    tests and experiments that build several engines compile each bucket once per process).
+    With a `layout` the step is partitioned over its mesh, attention runs per device, and the
+    shardings of every input and output are fixed, so they never trigger a recompilation.
     Returns (jitted function, a one-element list counting traces = compilations)."""
     traces = [0]
+    if layout is not None:
+        backend = parallel.sharded_attention(backend, layout.mesh)
 
-    def step(params, cache, step_input: StepInput, sampling: SamplingInput, *, decode_only: bool,
+    def step(params, cache, step_input: StepInput, sampling: SamplingInput, decode_only: bool,
              num_top_logprobs: int):
         traces[0] += 1  # runs only while tracing
         model = nnx.merge(graphdef, params)
         logits, cache = model.forward_paged(cache, step_input, backend, block_size, decode_only)
         return sample(logits, sampling, num_top_logprobs), cache
 
-    jitted = jax.jit(step, static_argnames=("decode_only", "num_top_logprobs"), donate_argnums=(1,))
+    shardings = {} if layout is None else layout.jit_shardings()
+    # static arguments by position: jit accepts no keyword arguments alongside in_shardings
+    jitted = jax.jit(step, static_argnums=(4, 5), donate_argnums=(1,), **shardings)
     return jitted, traces
 
 
 class ModelRunner:
-    """Builds inputs and runs the jitted step. Not thread-safe (the engine loop owns it)."""
+    """Builds inputs and runs the jitted step. Not thread-safe (the engine loop owns it).
+
+    With `config.tensor_parallel_size` > 1 the parameters and cache live sharded on a mesh
+    (`self.layout`, see `llmjax.parallel`); `model` must then have passed `parallel.prepare_model`.
+    """
 
     def __init__(self, model: LoadedModel, config: EngineConfig, num_blocks: int, kv_dtype):
         self.model_config = model.config
@@ -87,19 +98,26 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.backend = get_attention_backend(config.attention_backend)
         self.graphdef = model.graphdef
-        self.params = model.params
-        self.cache = init_cache(model.config, num_blocks, config.block_size, kv_dtype)
+        tp = config.tensor_parallel_size
+        self.layout = parallel.Layout.create(model, parallel.make_mesh(tp)) if tp > 1 else None
+        if self.layout is None:
+            self.params = jax.device_put(model.params)
+            self.cache = init_cache(model.config, num_blocks, config.block_size, kv_dtype)
+        else:
+            self.params = self.layout.place_params(model.params)
+            self.cache = self.layout.init_cache(model.config, num_blocks, config.block_size, kv_dtype)
         self.num_compiles = 0
         self.time_prepare = 0.0
         self.time_device = 0.0
-        key = (model.config, str(jax.tree.leaves(model.params)[0].dtype), self.backend.name, self.block_size)
+        mesh = None if self.layout is None else self.layout.mesh
+        key = (model.config, str(jax.tree.leaves(model.params)[0].dtype), self.backend.name, self.block_size, mesh)
         if key not in _STEP_FUNCTIONS:
-            _STEP_FUNCTIONS[key] = _make_step_function(model.graphdef, self.backend, self.block_size)
+            _STEP_FUNCTIONS[key] = _make_step_function(model.graphdef, self.backend, self.block_size, self.layout)
         self._step_fn, self._traces = _STEP_FUNCTIONS[key]
 
-    def _step(self, *args, **static):
+    def _step(self, *args, decode_only: bool, num_top_logprobs: int):
         traces_before = self._traces[0]
-        result = self._step_fn(*args, **static)
+        result = self._step_fn(*args, decode_only, num_top_logprobs)
         self.num_compiles += self._traces[0] - traces_before
         return result
 
@@ -183,17 +201,26 @@ class ModelRunner:
         Runs on all-padding inputs (every write lands in the null block), so the cache is unchanged.
         """
         for t, s, b, decode_only in tqdm(shapes, desc="compiling step buckets", unit="bucket"):
-            step = StepInput(
-                token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32), slot_mapping=np.zeros(t, np.int32),
-                query_start_loc=np.zeros(s + 1, np.int32), seq_lens=np.zeros(s, np.int32),
-                block_tables=np.zeros((s, b), np.int32), logits_indices=np.zeros(s, np.int32),
-                num_decodes=np.int32(0),
-            )
-            sampling = SamplingInput(np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
-                                     np.zeros(s, np.float32), np.zeros(s, np.uint32), np.zeros(s, np.int32))
-            _, self.cache = self._step(self.params, self.cache, step, sampling, decode_only=decode_only,
-                                       num_top_logprobs=0)
+            _, self.cache = self._step(self.params, self.cache, *self.padding_inputs(t, s, b),
+                                       decode_only=decode_only, num_top_logprobs=0)
         jax.block_until_ready(self.cache)
+
+    @staticmethod
+    def padding_inputs(t: int, s: int, b: int) -> tuple[StepInput, SamplingInput]:
+        """All-padding inputs of bucket (T, S, B): every write lands in the null block."""
+        step = StepInput(
+            token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32), slot_mapping=np.zeros(t, np.int32),
+            query_start_loc=np.zeros(s + 1, np.int32), seq_lens=np.zeros(s, np.int32),
+            block_tables=np.zeros((s, b), np.int32), logits_indices=np.zeros(s, np.int32),
+            num_decodes=np.int32(0),
+        )
+        sampling = SamplingInput(np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
+                                 np.zeros(s, np.float32), np.zeros(s, np.uint32), np.zeros(s, np.int32))
+        return step, sampling
+
+    def lower(self, t: int, s: int, b: int, decode_only: bool = False) -> jax.stages.Lowered:
+        """The step of bucket (T, S, B) lowered for inspection (`.compile().as_text()` is its HLO); runs nothing."""
+        return self._step_fn.lower(self.params, self.cache, *self.padding_inputs(t, s, b), decode_only, 0)
 
     def warmup_shapes(self) -> list[tuple[int, int, int, bool]]:
         """The common buckets: decode-only steps at each request-count bucket, and full-budget mixed steps."""

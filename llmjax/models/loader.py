@@ -110,7 +110,10 @@ def hf_tensor_name(path: tuple, layer: int | None) -> tuple[str, bool]:
 def build_params(
     cfg: ModelConfig, dtype, get_tensor: Callable[[str], np.ndarray]
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    """Fill the abstract parameter tree from `get_tensor(hf_name) -> array [out, in]` (HF layout)."""
+    """Fill the abstract parameter tree from `get_tensor(hf_name) -> array [out, in]` (HF layout).
+
+    The parameters stay numpy arrays in host memory; the runner places them on the device(s)
+    (sharded under tensor parallelism), so no single device ever holds a model meant to be split."""
     graphdef, state = abstract_model(cfg, dtype)
     pure = nnx.to_pure_dict(state)
     for path, abstract in _flat_paths(pure):
@@ -124,7 +127,7 @@ def build_params(
         else:
             name, transpose = hf_tensor_name(path, None)
             value = _checked(name, get_tensor(name), transpose, shape)
-        _set_path(pure, path, jnp.asarray(value, dtype=dtype))
+        _set_path(pure, path, np.asarray(value, dtype=jnp.dtype(dtype)))  # host memory until placed
     nnx.replace_by_pure_dict(state, pure)
     return graphdef, state
 

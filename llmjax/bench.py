@@ -1,0 +1,310 @@
+"""`llmjax bench`: load an OpenAI-compatible server and report latencies, like `vllm bench serve`.
+
+Workloads (`--dataset`):
+- `random`: input and output lengths uniform in `len * [1 - r, 1 + r]` (`--random-input-len`,
+  `--random-output-len`, `--random-range-ratio r`), random token ids.
+- `sharegpt`: lengths synthesised to ShareGPT's published means (input 161, output 338 tokens):
+  each drawn from a lognormal distribution with sigma 1.0 (input) / 0.8 (output) and mu set so its
+  mean is the published one, then clipped to [4, 2048] and to the model length. No dataset is read.
+- `prefix`: `--prefix-groups G` groups; a request is its group's shared system prompt
+  (`--prefix-len` tokens) plus a random suffix of `--random-input-len` tokens.
+- `multiturn`: `--num-prompts` conversations of `--turns` turns; each turn resends the whole
+  history (earlier prompts and the model's replies, as text) plus a new user message.
+
+Arrivals: a Poisson process at `--request-rate` (inf: all at once), and at most
+`--max-concurrency` requests in flight. Every request is a streamed `/v1/completions` call
+through httpx with `ignore_eos`, so output lengths are as drawn; prompts are token-id lists, or
+text (`--prompt-format text`, the ids rendered by the server's `/detokenize`).
+
+Reports TTFT, TPOT (per output token after the first), ITL (between streamed chunks) and
+end-to-end latency (mean, p50, p90, p99, in ms), request and token throughput, and goodput
+(requests per second meeting every `--goodput` SLO, e.g. `--goodput ttft:500 tpot:50`).
+Prints a table; `--result-file` writes the same as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+SHAREGPT_MEAN_INPUT, SHAREGPT_MEAN_OUTPUT = 161, 338
+SHAREGPT_SIGMA_INPUT, SHAREGPT_SIGMA_OUTPUT = 1.0, 0.8
+SLO_NAMES = ("ttft", "tpot", "e2el")
+
+
+@dataclass
+class RequestResult:
+    """One streamed request as the client saw it (seconds, from the client's monotonic clock)."""
+
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    text: str = ""
+
+    @property
+    def tpot(self) -> float:
+        return (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+
+async def stream_completion(client: httpx.AsyncClient, payload: dict) -> RequestResult:
+    """POST a streamed `/v1/completions` request (usage included) and time its chunks."""
+    payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+    result, start, last = RequestResult(), time.perf_counter(), None
+    try:
+        async with client.stream("POST", "/v1/completions", json=payload) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                now = time.perf_counter()
+                for choice in chunk["choices"]:
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    result.text += choice["text"]
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.latency = time.perf_counter() - start
+    result.ok = last is not None
+    result.error = "" if result.ok else "no output"
+    return result
+
+
+def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
+    """mean, p50, p90, p99 of `values` times `scale` (seconds to ms by default); zeros if empty."""
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    a = np.asarray(values) * scale
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99))}
+
+
+# --- workloads ---------------------------------------------------------------------------------------
+Job = Callable[[Callable[[dict], Awaitable[RequestResult]]], Awaitable[None]]
+
+
+class Workload:
+    """Builds the list of jobs (one request, or one conversation) from the arguments."""
+
+    def __init__(self, args: argparse.Namespace, max_model_len: int, detokenize: Callable[[list[int]], str]):
+        self.args = args
+        self.max_len = max_model_len
+        self.rng = np.random.default_rng(args.seed)
+        self.detokenize = detokenize
+
+    def _ids(self, n: int) -> list[int]:
+        lo, hi = self.args.token_range
+        return self.rng.integers(lo, hi, n).tolist()
+
+    def _uniform(self, mean: int) -> int:
+        r = self.args.random_range_ratio
+        return int(self.rng.integers(max(1, math.floor(mean * (1 - r))), math.ceil(mean * (1 + r)) + 1))
+
+    def _fit(self, n_in: int, n_out: int) -> tuple[int, int]:
+        n_out = max(1, min(n_out, self.max_len // 2))
+        return max(1, min(n_in, self.max_len - n_out)), n_out
+
+    def _prompt(self, ids: list[int]) -> list[int] | str:
+        return self.detokenize(ids) if self.args.prompt_format == "text" else ids
+
+    def _lengths(self) -> tuple[int, int]:
+        if self.args.dataset == "sharegpt":
+            draw = [self.rng.lognormal(math.log(m) - s * s / 2, s) for m, s in
+                    ((SHAREGPT_MEAN_INPUT, SHAREGPT_SIGMA_INPUT), (SHAREGPT_MEAN_OUTPUT, SHAREGPT_SIGMA_OUTPUT))]
+            return self._fit(*(int(np.clip(x, 4, 2048)) for x in draw))
+        return self._fit(self._uniform(self.args.random_input_len), self._uniform(self.args.random_output_len))
+
+    def jobs(self) -> tuple[list[Job], int]:
+        """The jobs, and how many requests they make in all (for the progress bar)."""
+        a = self.args
+        if a.dataset == "multiturn":
+            return [self._conversation() for _ in range(a.num_prompts)], a.num_prompts * a.turns
+        prefixes = [self._ids(a.prefix_len) for _ in range(a.prefix_groups)]
+        jobs = []
+        for i in range(a.num_prompts):
+            n_in, n_out = self._lengths()
+            head = prefixes[i % a.prefix_groups] if a.dataset == "prefix" else []
+            n_in, n_out = self._fit(len(head) + n_in, n_out)
+            ids = (head + self._ids(n_in))[:n_in]
+            jobs.append(self._single(self._prompt(ids), n_out))
+        return jobs, a.num_prompts
+
+    def _payload(self, prompt: list[int] | str, n_out: int) -> dict:
+        return {"model": self.args.model, "prompt": prompt, "max_tokens": n_out, "ignore_eos": True,
+                "temperature": self.args.temperature}
+
+    def _single(self, prompt, n_out: int) -> Job:
+        async def job(send):
+            await send(self._payload(prompt, n_out))
+        return job
+
+    def _conversation(self) -> Job:
+        turns = [self._lengths() for _ in range(self.args.turns)]
+        users = [self.detokenize(self._ids(n_in)) for n_in, _ in turns]
+
+        async def job(send):
+            history, used = "", 0
+            for user, (n_in, n_out) in zip(users, turns):
+                if used + n_in + n_out > self.max_len:
+                    break  # the conversation no longer fits the model
+                prompt = f"{history}{user}"
+                result = await send(self._payload(prompt, n_out))
+                if not result.ok:
+                    break
+                history, used = prompt + result.text, result.prompt_tokens + result.output_tokens
+        return job
+
+
+# --- running --------------------------------------------------------------------------------------------
+async def run_jobs(client: httpx.AsyncClient, jobs: list[Job], total: int, request_rate: float,
+                   max_concurrency: int | None, seed: int) -> tuple[list[RequestResult], float]:
+    """Start jobs at Poisson arrivals; returns every request's result and the wall time."""
+    results: list[RequestResult] = []
+    limit = asyncio.Semaphore(max_concurrency or 1 << 30)
+    rng = np.random.default_rng(seed + 1)
+    bar = tqdm(total=total, desc="requests", unit="req")
+
+    async def send(payload: dict) -> RequestResult:
+        async with limit:
+            result = await stream_completion(client, payload)
+        results.append(result)
+        bar.update(1)
+        return result
+
+    start = time.perf_counter()
+    tasks = []
+    for job in jobs:
+        tasks.append(asyncio.create_task(job(send)))
+        if math.isfinite(request_rate):
+            await asyncio.sleep(rng.exponential(1.0 / request_rate))
+    await asyncio.gather(*tasks)
+    bar.close()
+    return results, time.perf_counter() - start
+
+
+def summarize(results: list[RequestResult], duration: float, slos: dict[str, float]) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+
+    def good(r: RequestResult) -> bool:
+        values = {"ttft": r.ttft, "tpot": r.tpot, "e2el": r.latency}
+        return all(values[name] * 1000 <= limit for name, limit in slos.items())
+
+    summary = {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "ttft_ms": percentiles([r.ttft for r in ok]),
+        "tpot_ms": percentiles([r.tpot for r in ok if r.output_tokens > 1]),
+        "itl_ms": percentiles([x for r in ok for x in r.itl]),
+        "e2el_ms": percentiles([r.latency for r in ok]),
+        "errors": sorted({r.error for r in results if not r.ok})[:10],
+    }
+    if slos:
+        summary["goodput_slos_ms"] = slos
+        summary["request_goodput"] = sum(map(good, ok)) / duration
+    return summary
+
+
+def format_table(summary: dict) -> str:
+    lines = [f"{'Successful requests:':<36}{summary['completed']:>12}",
+             f"{'Failed requests:':<36}{summary['failed']:>12}",
+             f"{'Benchmark duration (s):':<36}{summary['duration_s']:>12.2f}",
+             f"{'Total input tokens:':<36}{summary['total_input_tokens']:>12}",
+             f"{'Total generated tokens:':<36}{summary['total_output_tokens']:>12}",
+             f"{'Request throughput (req/s):':<36}{summary['request_throughput']:>12.2f}",
+             f"{'Output token throughput (tok/s):':<36}{summary['output_throughput']:>12.2f}",
+             f"{'Total token throughput (tok/s):':<36}{summary['total_token_throughput']:>12.2f}"]
+    if "request_goodput" in summary:
+        lines.append(f"{'Request goodput (req/s):':<36}{summary['request_goodput']:>12.2f}")
+    lines.append(f"{'(ms)':<10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E")):
+        s = summary[key]
+        lines.append(f"{label:<10}{s['mean']:>10.2f}{s['p50']:>10.2f}{s['p90']:>10.2f}{s['p99']:>10.2f}")
+    return "\n".join(lines)
+
+
+def parse_slos(items: list[str]) -> dict[str, float]:
+    slos = {}
+    for item in items:
+        name, _, value = item.partition(":")
+        if name not in SLO_NAMES or not value:
+            raise SystemExit(f"--goodput takes NAME:MS with NAME in {SLO_NAMES}, got {item!r}")
+        slos[name] = float(value)
+    return slos
+
+
+async def _bench(args: argparse.Namespace) -> dict:
+    slos = parse_slos(args.goodput)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(None), limits=limits) as client:
+        card = (await client.get("/v1/models")).json()["data"][0]
+        args.model = args.model or card["id"]
+
+        def detokenize(ids: list[int]) -> str:
+            return httpx.post(f"{args.base_url}/detokenize", json={"tokens": ids}).json()["prompt"]
+
+        jobs, total = Workload(args, card["max_model_len"], detokenize).jobs()
+        results, duration = await run_jobs(client, jobs, total, args.request_rate, args.max_concurrency, args.seed)
+    summary = summarize(results, duration, slos)
+    summary.update(dataset=args.dataset, request_rate=args.request_rate, max_concurrency=args.max_concurrency,
+                   model=args.model)
+    return summary
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    summary = asyncio.run(_bench(args))
+    print(format_table(summary))
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="served model name (default: the server's first)")
+    parser.add_argument("--dataset", choices=["random", "sharegpt", "prefix", "multiturn"], default="random")
+    parser.add_argument("--num-prompts", type=int, default=100, help="requests, or conversations for multiturn")
+    parser.add_argument("--random-input-len", type=int, default=1024)
+    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0)
+    parser.add_argument("--prefix-groups", type=int, default=4)
+    parser.add_argument("--prefix-len", type=int, default=512)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--token-range", type=int, nargs=2, default=[3, 98], metavar=("LO", "HI"),
+                        help="random prompt token ids are drawn from [LO, HI)")
+    parser.add_argument("--prompt-format", choices=["ids", "text"], default="ids")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--goodput", nargs="*", default=[], metavar="SLO:MS", help="e.g. ttft:500 tpot:50 e2el:5000")
+    parser.add_argument("--result-file", default=None)
+    parser.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,307 @@
+"""The OpenAI-compatible HTTP API (FastAPI): `build_app(engine, model_name)`.
+
+Endpoints: `/v1/completions`, `/v1/chat/completions` (both with `stream`), `/v1/models`,
+`/health`, `/metrics`, `/tokenize`, `/detokenize`.
+
+- The app's lifespan starts and stops the `AsyncEngine` loop thread; handlers never touch the
+  engine directly (the tokenizer, read-only, is shared with the loop thread).
+- Errors are OpenAI error objects: 400 for schema errors, malformed JSON, bad sampling values
+  (`SamplingParamsError`) and prompts the engine refuses (`RequestError`: empty, too long);
+  404 for an unknown model; 503 when the engine loop is dead. A refused request leaves nothing
+  queued, so it never affects other requests.
+- Streaming is server-sent events (`data: {json}\\n\\n`, ending `data: [DONE]\\n\\n`).
+- A client that disconnects aborts its requests: streamed responses abort when the response
+  ends for any reason; non-streamed handlers race the generation against the disconnect.
+- `/health` is 200 when the loop is alive and the KV invariants hold (checked on the loop thread
+  at each call and whenever it goes idle), else 503 with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+
+from llmjax.engine import LLMEngine, RequestError, RequestOutput
+from llmjax.sampling_params import SamplingParams, SamplingParamsError
+from llmjax.serve import protocol as p
+from llmjax.serve.async_engine import AsyncEngine, EngineDeadError, OutputStream
+from llmjax.serve.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | int | None = None,
+           type_: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(p.error_body(message, type_, param, code), status_code=status)
+
+
+def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    parts = [".".join(str(x) for x in e["loc"][1:]) for e in errors]
+    message = "; ".join(f"{where}: {e['msg']}" if where else e["msg"] for where, e in zip(parts, errors))
+    for e in errors:
+        if e["type"] == "json_invalid":
+            return _error(400, f"malformed JSON: {e.get('ctx', {}).get('error', e['msg'])}")
+    return _error(400, message, parts[0] if errors and parts[0] else None)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events of `chunks`, ending with `data: [DONE]`. When the response ends for any
+    reason (done, client gone, error), the stream's unfinished requests are aborted."""
+
+    def __init__(self, stream: OutputStream, chunks: AsyncIterator[BaseModel]):
+        super().__init__(self._events(chunks), media_type="text/event-stream")
+        self.stream = stream
+
+    @staticmethod
+    async def _events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {chunk.model_dump_json()}\n\n"
+        except Exception as exc:  # the engine died mid-stream; OpenAI-style error event
+            log.exception("stream failed")
+            yield f"data: {json.dumps(p.error_body(str(exc), 'internal_server_error', code=500))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.stream.abort()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServer:
+    """Request handling over one `AsyncEngine`; `build_app` routes to its methods."""
+
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.async_engine = AsyncEngine(engine)
+        self.metrics = ServerMetrics(lambda: self.async_engine.stats, model_name)
+        self.async_engine.on_finished = self.metrics.observe_finished
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.model_config.vocab_size
+        self.max_model_len = engine.config.max_model_len
+        self.model_name = model_name
+
+    # --- helpers ------------------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    def _chat_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        try:
+            return self.tokenizer.encode_chat([m.as_dict() for m in messages], add_generation_prompt)
+        except (ValueError, TemplateError) as exc:
+            raise RequestError(str(exc), "messages") from exc
+
+    def _prompt_text(self, prompt: p.Prompt) -> str:
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
+    async def _open(self, prompts: list[p.Prompt], params: SamplingParams, request_id: str,
+                    cache_salt: str | None) -> tuple[OutputStream, dict[str, int]]:
+        """Queue one engine request per prompt; returns the stream and request id -> choice index.
+        If any prompt is refused, the ones already queued are aborted and the error propagates."""
+        stream, arrival = self.async_engine.open_stream(), time.monotonic()
+        index = {f"{request_id}-{i}": i for i in range(len(prompts))}
+        try:
+            for rid, prompt in zip(index, prompts):
+                await stream.add(prompt, params, rid, cache_salt or None, arrival)
+        except BaseException:
+            stream.abort()
+            raise
+        return stream, index
+
+    async def _final_outputs(self, raw: Request, stream: OutputStream) -> dict[str, RequestOutput] | None:
+        """Each request's finished output, or None when the client disconnected first (then aborted)."""
+
+        async def collect() -> dict[str, RequestOutput]:
+            return {out.request_id: out async for out in stream if out.finished}
+
+        work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (work, watch):
+                task.cancel()  # no-op for a finished task
+            stream.abort()
+        return work.result() if work in done else None
+
+    @staticmethod
+    def _usage(outputs) -> p.Usage:
+        usage = p.Usage()
+        for out in outputs:
+            usage.add(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+        return usage
+
+    def _completion_logprobs(self, params: SamplingParams, token_ids: list[int], entries,
+                             text_offset: int) -> p.CompletionLogprobs | None:
+        """Logprobs of `token_ids`, the last tokens of the output whose entries are `entries`."""
+        if params.logprobs is None:
+            return None
+        return p.completion_logprobs(self.tokenizer.token_to_text, token_ids, entries[len(entries) - len(token_ids):],
+                                     params.logprobs, text_offset)
+
+    # --- /v1/completions ------------------------------------------------------------------------------
+    async def completions(self, body: p.CompletionRequest, raw: Request) -> Response:
+        self._check_model(body.model)
+        params, prompts, request_id = body.sampling_params(), body.prompts(), p.random_id("cmpl")
+        stream, index = await self._open(prompts, params, request_id, body.cache_salt)
+        if body.stream:
+            return _EventStream(stream, self._completion_chunks(stream, index, prompts, params, body, request_id))
+        outputs = await self._final_outputs(raw, stream)
+        if outputs is None:
+            return Response(status_code=499)
+        choices = []
+        for rid, out in outputs.items():
+            i = index[rid]
+            prefix = self._prompt_text(prompts[i]) if body.echo else ""
+            logprobs = self._completion_logprobs(params, out.token_ids, out.logprobs, 0)
+            choices.append(p.CompletionChoice(index=i, text=prefix + out.text, logprobs=logprobs,
+                                              finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+        choices.sort(key=lambda c: c.index)
+        return JSONResponse(p.CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                                 usage=self._usage(outputs.values())).model_dump())
+
+    async def _completion_chunks(self, stream: OutputStream, index: dict[str, int], prompts: list[p.Prompt],
+                                 params: SamplingParams, body: p.CompletionRequest, request_id: str):
+        offsets = {i: 0 for i in index.values()}  # characters sent per choice
+        finished = []
+        async for out in stream:
+            i = index[out.request_id]
+            text = out.delta_text
+            if body.echo and offsets[i] == 0:
+                text = self._prompt_text(prompts[i]) + text
+            want_logprobs = params.logprobs is not None and out.delta_token_ids
+            if not (text or out.finished or want_logprobs):
+                continue
+            logprobs = self._completion_logprobs(params, out.delta_token_ids, out.logprobs, offsets[i])
+            offsets[i] += len(text)
+            choice = p.CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
+                                        stop_reason=out.stop_reason)
+            yield p.CompletionResponse(id=request_id, model=self.model_name, choices=[choice])
+            if out.finished:
+                finished.append(out)
+        if body.include_usage:
+            yield p.CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=self._usage(finished))
+
+    # --- /v1/chat/completions -------------------------------------------------------------------------
+    async def chat_completions(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
+        self._check_model(body.model)
+        params, request_id = body.sampling_params(), p.random_id("chatcmpl")
+        stream, index = await self._open([self._chat_ids(body.messages)], params, request_id, body.cache_salt)
+        if body.stream:
+            return _EventStream(stream, self._chat_chunks(stream, params, body, request_id))
+        outputs = await self._final_outputs(raw, stream)
+        if outputs is None:
+            return Response(status_code=499)
+        [out] = outputs.values()
+        choice = p.ChatChoice(index=0, message=p.AssistantMessage(content=out.text),
+                              logprobs=self._chat_logprobs(params, out.token_ids, out.logprobs),
+                              finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+        return JSONResponse(p.ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice],
+                                                     usage=self._usage([out])).model_dump())
+
+    def _chat_logprobs(self, params: SamplingParams, token_ids: list[int], entries) -> p.ChatLogprobs | None:
+        """Logprobs of `token_ids`, the last tokens of the output whose entries are `entries`."""
+        if params.logprobs is None:
+            return None
+        return p.chat_logprobs(self.tokenizer.token_to_text, token_ids, entries[len(entries) - len(token_ids):],
+                               params.logprobs)
+
+    async def _chat_chunks(self, stream: OutputStream, params: SamplingParams, body: p.ChatCompletionRequest,
+                           request_id: str):
+        def chunk(delta: p.DeltaMessage, **fields) -> p.ChatCompletionChunk:
+            return p.ChatCompletionChunk(id=request_id, model=self.model_name,
+                                         choices=[p.ChatStreamChoice(index=0, delta=delta, **fields)])
+
+        yield chunk(p.DeltaMessage(role="assistant", content=""))
+        async for out in stream:
+            if not (out.delta_text or out.finished or (params.logprobs is not None and out.delta_token_ids)):
+                continue
+            yield chunk(p.DeltaMessage(content=out.delta_text or None),
+                        logprobs=self._chat_logprobs(params, out.delta_token_ids, out.logprobs or []),
+                        finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            if out.finished and body.include_usage:
+                yield p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=self._usage([out]))
+
+    # --- the rest ---------------------------------------------------------------------------------------
+    async def models(self) -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
+
+    async def health(self) -> Response:
+        problem = await self.async_engine.check_health()
+        if problem:
+            return _error(503, problem, type_="service_unavailable", code=503)
+        return Response(status_code=200)
+
+    async def metrics_text(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(self, body: p.TokenizeRequest) -> p.TokenizeResponse:
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError("give exactly one of `prompt` and `messages`", "prompt")
+        if body.messages is not None:
+            tokens = self._chat_ids(body.messages, body.add_generation_prompt)
+        else:
+            tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return p.TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)
+
+    async def detokenize(self, body: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        self._check_model(body.model)
+        if any(not 0 <= t < self.vocab_size for t in body.tokens):
+            raise RequestError(f"token ids must be in [0, {self.vocab_size})", "tokens")
+        return p.DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
+
+
+def build_app(engine: LLMEngine, model_name: str) -> FastAPI:
+    """The app; its lifespan runs the engine loop thread. `app.state.server` is the `OpenAIServer`."""
+    server = OpenAIServer(engine, model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        server.async_engine.start()
+        yield
+        server.async_engine.shutdown()
+
+    app = FastAPI(title="llmjax", lifespan=lifespan)
+    app.state.server = server
+    routes: list[tuple[str, str, Callable]] = [
+        ("POST", "/v1/completions", server.completions),
+        ("POST", "/v1/chat/completions", server.chat_completions),
+        ("GET", "/v1/models", server.models),
+        ("GET", "/health", server.health),
+        ("GET", "/metrics", server.metrics_text),
+        ("POST", "/tokenize", server.tokenize),
+        ("POST", "/detokenize", server.detokenize),
+    ]
+    for method, path, handler in routes:
+        app.add_api_route(path, handler, methods=[method])
+
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    for bad_request in (RequestError, SamplingParamsError):
+        app.add_exception_handler(bad_request, lambda _, exc: _error(400, str(exc), exc.param))
+    app.add_exception_handler(APIError, lambda _, exc: _error(exc.status, str(exc), exc.param, exc.code))
+    app.add_exception_handler(EngineDeadError, lambda _, exc: _error(503, str(exc), type_="service_unavailable"))
+    return app

@@ -1,0 +1,262 @@
+"""`AsyncEngine`: one thread owns the `LLMEngine`; asyncio code talks to it through queues.
+
+Threads and ownership:
+- The loop thread (`start`) is the only code that touches the engine. It runs commands from a
+  thread-safe command queue between steps, steps while any request is unfinished, and when idle
+  checks the KV invariants once and then blocks on the command queue (no spinning).
+- Handlers on the asyncio event loop submit commands (`call`, `abort`) and read their requests'
+  outputs from an `OutputStream`, an asyncio queue the loop thread fills with
+  `loop.call_soon_threadsafe`.
+- `stats` is an immutable snapshot the loop thread replaces after every step and when idle;
+  any thread may read it (the Prometheus collector does).
+- `on_finished(output)` runs on the loop thread for each finished request (metrics observe it).
+
+If a step raises, the engine is dead: every open stream receives the exception, later commands
+fail with `EngineDeadError`, and `check_health` reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Sequence
+
+from llmjax.engine import LLMEngine, RequestOutput
+from llmjax.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+STALL_WAIT_S = 0.01  # when a step scheduled nothing (static/dynamic batch not formed yet)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after an error; no request can be served."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's gauges and counters (prefix-cache counts are in tokens)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # blocks held by requests / usable blocks
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class _Command:
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop | None = None  # with `future`: where to deliver the result
+    future: asyncio.Future | None = None
+
+
+def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the awaiting handler was cancelled
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None):
+        self.engine = engine
+        self.on_finished = on_finished
+        self.stats = EngineStats()
+        self.error: BaseException | None = None  # set when a step raised
+        self.kv_error: str | None = None  # the first failed idle invariant check (sticky)
+        self._commands: queue.Queue[_Command | None] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # loop thread only
+        self._thread = threading.Thread(target=self._run, name="llmjax-engine-loop", daemon=True)
+
+    # --- lifecycle (any thread) -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop thread after the commands already queued; unfinished requests are dropped."""
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    # --- commands (event loop side) -------------------------------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the loop thread between steps; return its result or raise its exception."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(_Command(lambda: fn(self.engine), loop, future))
+        return await future
+
+    async def add(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str,
+                  namespace: Hashable | None, arrival_time: float, outputs: asyncio.Queue) -> None:
+        """Queue a request whose outputs go to `outputs`; raises `RequestError` when the engine refuses it."""
+        loop = asyncio.get_running_loop()
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(prompt, params, request_id, namespace, arrival_time)
+            self._streams[request_id] = (loop, outputs)
+
+        await self.call(add)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if unknown or finished); its blocks are freed before the next step.
+        Safe from any thread; does not wait."""
+        self._commands.put(_Command(lambda: self._abort(request_id)))
+
+    def open_stream(self) -> OutputStream:
+        return OutputStream(self)
+
+    async def check_health(self) -> str | None:
+        """None when healthy; otherwise why not. Runs `check_kv_invariants` on the loop thread now."""
+        if self.error is not None or not self._thread.is_alive():
+            return f"engine loop is not running: {self.error!r}"
+        if self.kv_error:
+            return f"KV invariant violated while idle: {self.kv_error}"
+        try:
+            await self.call(lambda engine: engine.check_kv_invariants())
+        except AssertionError as exc:
+            return f"KV invariant violated: {exc}"
+        return None
+
+    # --- the loop thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            stalled = False
+            while self._serve_commands(stalled):
+                stalled = self.engine.has_unfinished_requests() and not self._step()
+        except Exception as exc:  # a bug in the engine: fail everything that waits on it
+            log.exception("engine loop failed")
+            self._die(exc)
+
+    def _serve_commands(self, stalled: bool) -> bool:
+        """Run pending commands. When idle: check the KV invariants, publish stats, then block for a
+        command; after a step that scheduled nothing (a static/dynamic batch not formed yet), wait up
+        to STALL_WAIT_S for one instead of spinning. Returns False on shutdown."""
+        if not self.engine.has_unfinished_requests():
+            self._on_idle()
+            wait = None
+        else:
+            wait = STALL_WAIT_S if stalled else 0
+        try:
+            command = self._commands.get(timeout=wait) if wait != 0 else self._commands.get_nowait()
+            while self._execute(command):
+                command = self._commands.get_nowait()
+            return False
+        except queue.Empty:
+            return True
+
+    def _execute(self, command: _Command | None) -> bool:
+        """Run one command, delivering its result or exception to its future. False on shutdown."""
+        if command is None:
+            return False
+        result, error = None, None
+        try:
+            if self.error is not None:
+                raise EngineDeadError("the engine loop stopped after an error") from self.error
+            result = command.fn()
+        except Exception as exc:
+            error = exc
+        if command.future is not None:
+            command.loop.call_soon_threadsafe(_resolve, command.future, result, error)
+        elif error is not None:
+            log.error("engine command failed: %r", error)
+        return True
+
+    def _step(self) -> bool:
+        """One engine step; deliver its outputs. True when it scheduled any work."""
+        steps = self.engine.num_steps
+        for output in self.engine.step():
+            self._deliver(output)
+        self._publish()
+        return self.engine.num_steps > steps
+
+    def _abort(self, request_id: str) -> None:
+        output = self.engine.abort(request_id)
+        if output is not None:
+            self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        loop, outputs = self._streams[output.request_id]
+        loop.call_soon_threadsafe(outputs.put_nowait, output)
+        if output.finished:
+            del self._streams[output.request_id]
+            if self.on_finished is not None:
+                self.on_finished(output)
+
+    def _on_idle(self) -> None:
+        if self.kv_error is None:
+            try:
+                self.engine.check_kv_invariants()
+            except AssertionError as exc:
+                self.kv_error = str(exc) or "assertion failed"
+                log.error("KV invariant violated while idle: %s", self.kv_error)
+        self._publish()
+
+    def _publish(self) -> None:
+        engine = self.engine
+        usage, prefix = engine.kv.usage(), engine.kv.stats()
+        self.stats = EngineStats(
+            num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
+            kv_usage=usage.usage, kv_blocks_used=usage.used, kv_blocks_cached=usage.cached,
+            prefix_queried_tokens=prefix.queried_tokens, prefix_hit_tokens=prefix.hit_tokens,
+            num_preemptions=engine.scheduler.num_preemptions, prompt_tokens=engine.num_prompt_tokens,
+            generation_tokens=engine.num_generation_tokens,
+        )
+
+    def _die(self, error: BaseException) -> None:
+        self.error = error
+        for loop, outputs in self._streams.values():
+            loop.call_soon_threadsafe(outputs.put_nowait, error)
+        self._streams.clear()
+        while (command := self._commands.get()) is not None:  # answer later commands until shutdown
+            self._execute(command)
+
+
+class OutputStream:
+    """The outputs of one HTTP request's engine requests (one per prompt), for one consumer task.
+
+    Contract: `add` each prompt, iterate until every request finished, and call `abort()` in a
+    `finally` (a no-op for finished requests), so a client that leaves frees its blocks at once.
+    Event-loop side only.
+    """
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+        self.outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.unfinished: set[str] = set()
+
+    async def add(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str,
+                  namespace: Hashable | None = None, arrival_time: float | None = None) -> None:
+        """Queue one request; raises `RequestError` (nothing queued) when the engine refuses it."""
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self.unfinished.add(request_id)  # before awaiting, so a cancelled add is still aborted
+        try:
+            await self.engine.add(prompt, params, request_id, namespace, arrival, self.outputs)
+        except Exception:
+            self.unfinished.discard(request_id)
+            raise
+
+    async def __aiter__(self):
+        """Yield outputs in arrival order until every added request has finished."""
+        while self.unfinished:
+            output = await self.outputs.get()
+            if isinstance(output, BaseException):
+                raise output
+            if output.finished:
+                self.unfinished.discard(output.request_id)
+            yield output
+
+    def abort(self) -> None:
+        for request_id in self.unfinished:
+            self.engine.abort(request_id)
+        self.unfinished.clear()

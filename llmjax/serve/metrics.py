@@ -1,0 +1,91 @@
+"""Prometheus metrics for `/metrics`, named after vLLM's with an `llmjax:` prefix.
+
+Gauges and counters are read at scrape time from the engine loop's `EngineStats` snapshot;
+latency histograms are observed when a request finishes (`observe_finished`, called on the
+engine loop thread; prometheus-client is thread-safe). Each `ServerMetrics` has its own registry,
+so several apps (tests, replicas) can live in one process. Every sample carries `model_name`.
+
+Prefix-cache queries and hits count tokens, as vLLM's do: queried prompt tokens and the tokens
+found cached. A router reads them, and the running/waiting gauges, from each replica.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmjax.engine import RequestOutput
+from llmjax.request import RequestStatus
+from llmjax.serve.async_engine import EngineStats
+
+PREFIX = "llmjax:"
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class _EngineCollector:
+    """Gauges and counters from the latest `EngineStats` snapshot."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
+        self.stats = stats
+        self.model_name = model_name
+
+    def collect(self):
+        s = self.stats()
+        for name, doc, value in [
+            ("num_requests_running", "Requests in the running batch.", s.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV blocks held by requests (1 = full).", s.kv_usage),
+        ]:
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], value)
+            yield gauge
+        for name, doc, value in [
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queried_tokens),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hit_tokens),
+            ("num_preemptions", "Requests preempted (recomputed later).", s.num_preemptions),
+            ("prompt_tokens", "Prompt tokens of accepted requests.", s.prompt_tokens),
+            ("generation_tokens", "Generated tokens.", s.generation_tokens),
+        ]:
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric([self.model_name], value)
+            yield counter
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats, model_name))
+
+        def histogram(name: str, doc: str) -> Histogram:
+            h = Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry, buckets=LATENCY_BUCKETS)
+            return h.labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive generated tokens.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish, for requests not aborted.")
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """Record a finished request's latencies (from the engine's monotonic timestamps)."""
+        if output.first_token_time is not None:
+            self.ttft.observe(output.first_token_time - output.arrival_time)
+        for before, after in zip(output.token_times, output.token_times[1:]):
+            self.itl.observe(after - before)
+        if output.finish_reason != RequestStatus.FINISHED_ABORTED.value and output.finish_time is not None:
+            self.e2e.observe(output.finish_time - output.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sample name -> value summed over label sets (e.g. `llmjax:num_requests_running`,
+    `llmjax:prompt_tokens_total`, `llmjax:time_to_first_token_seconds_count`)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values

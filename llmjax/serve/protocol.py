@@ -1,0 +1,317 @@
+"""OpenAI-compatible request and response schemas (pydantic), with OpenAI's and vLLM's field names.
+
+Requests: `CompletionRequest`, `ChatCompletionRequest`, `TokenizeRequest`, `DetokenizeRequest`.
+Unknown fields are ignored. Sampling values are checked by `SamplingParams` itself (its
+`SamplingParamsError` names the field); this module only checks shapes and what `SamplingParams`
+cannot see (empty prompt strings, `best_of`). vLLM extensions: `top_k`, `min_p`, `min_tokens`,
+`ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, and
+`cache_salt` (the prefix-cache tenant: requests with different salts never share cached blocks).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_serializer, field_validator
+
+from llmjax.sampling_params import SamplingParams, SamplingParamsError
+
+Prompt = str | list[int]
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+# --- requests ------------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields both generation endpoints share."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises `SamplingParamsError` for a bad value."""
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or (),
+            stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, prompt):
+        items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+        if not items or any(len(p) == 0 for p in items):
+            raise ValueError("the prompt is empty")
+        return prompt
+
+    def prompts(self) -> list[Prompt]:
+        """The prompts of this request, one engine request each."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def sampling_params(self) -> SamplingParams:
+        if self.best_of not in (None, 1):
+            raise SamplingParamsError("best_of", "only best_of=1 is supported")
+        if self.echo and self.logprobs is not None:
+            raise SamplingParamsError("echo", "echo with logprobs is not supported (no prompt logprobs)")
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(self.max_completion_tokens or self.max_tokens, logprobs)
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# --- responses -------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    def add(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+        self.total_tokens = self.prompt_tokens + self.completion_tokens
+        self.prompt_tokens_details.cached_tokens += cached_tokens
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Also each streamed chunk (`choices` holds the deltas; the usage chunk has no choices)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now_s)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now_s)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @field_serializer("delta")
+    def _delta_fields(self, delta: DeltaMessage) -> dict[str, str]:
+        return delta.model_dump(exclude_none=True)  # as OpenAI: only the fields this chunk sets
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now_s)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now_s)
+    owned_by: str = "llmjax"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: int | str | None = None) -> dict[str, Any]:
+    return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()
+
+
+# --- logprobs ---------------------------------------------------------------------------------------
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda item: -item[1])[:k]
+
+
+def completion_logprobs(token_text, token_ids: list[int], entries: list[dict[int, float]], k: int,
+                        text_offset: int) -> CompletionLogprobs:
+    """Legacy-completions logprobs of `token_ids` (each entry: sampled token and top ids -> logprob);
+    `token_text(id)` renders a token; offsets count from `text_offset`."""
+    result = CompletionLogprobs()
+    for token, entry in zip(token_ids, entries):
+        text = token_text(token)
+        result.tokens.append(text)
+        result.token_logprobs.append(entry[token])
+        result.top_logprobs.append({token_text(t): lp for t, lp in _top(entry, k)})
+        result.text_offset.append(text_offset)
+        text_offset += len(text)
+    return result
+
+
+def chat_logprobs(token_text, token_ids: list[int], entries: list[dict[int, float]], k: int) -> ChatLogprobs:
+    """Chat-completions logprobs of `token_ids` with the top `k` alternatives of each."""
+
+    def top(token: int, logprob: float) -> TopLogprob:
+        text = token_text(token)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    content = [
+        ChatTokenLogprob(**top(token, entry[token]).model_dump(), top_logprobs=[top(t, lp) for t, lp in _top(entry, k)])
+        for token, entry in zip(token_ids, entries)
+    ]
+    return ChatLogprobs(content=content)
