@@ -122,6 +122,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         text = prompt if isinstance(prompt, str) else None
+        if text == "":
+            raise RequestError("the prompt is empty", "prompt")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._validate(ids, params)
         max_len = self.config.max_model_len
@@ -132,9 +134,9 @@ class LLMEngine:
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.requests[request_id] = request
-        self._text[request_id] = _TextState(IncrementalDetokenizer(self.tokenizer, ids))
+        detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self._text[request_id] = _TextState(detokenizer)
         self.scheduler.add(request)
-        self.num_prompt_tokens += len(ids)
         return request_id
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
@@ -192,6 +194,7 @@ class LLMEngine:
             request.token_times.append(now)
             if request.first_token_time is None:
                 request.first_token_time = now
+                self.num_prompt_tokens += len(request.prompt_token_ids)  # counted once prefilled, as vLLM does
             if request.sampling_params.logprobs is not None:
                 entry = {token: float(result.logprobs[i])}
                 k = request.sampling_params.logprobs

@@ -123,8 +123,10 @@ class IncrementalDetokenizer:
     the next token completes it.
     """
 
-    def __init__(self, tokenizer: Tokenizer | CharTokenizer, prompt_ids: Sequence[int] = ()):
+    def __init__(self, tokenizer: Tokenizer | CharTokenizer, prompt_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_ids[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -133,8 +135,9 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one id; return the newly completed text (possibly empty)."""
         self.ids.append(token_id)
-        before = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        after = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        skip = self.skip_special_tokens
+        before = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
+        after = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=skip)
         if len(after) > len(before) and not after.endswith("\ufffd"):
             delta = after[len(before) :]
             self.prefix_offset = self.read_offset
