@@ -1,0 +1,274 @@
+"""PagedAttention (Kwon et al., SOSP 2023) §7.2, Figure 18b: the effect of the KV block size.
+
+The paper: on ShareGPT, block sizes 16 to 128 perform best; on Alpaca 16 and 32, larger blocks
+"significantly degrade the performance since the sequences become shorter than the block sizes";
+too small a block underuses the GPU when reading the cache; 16 is its default. Two sides of that
+trade-off, measured separately:
+
+1. Memory (simulator, OPT-13B / A100-40GB as in `memory_waste`): the paged pool at each block size on
+   ShareGPT (2 req/s) and Alpaca (30 req/s), the rates of the paper's Figure 13; token-state share,
+   internal fragmentation, mean batch and mean normalized latency (s per output token). Also the
+   prefix-cache hit rate of the two `radix_hit_rate` workloads at scale, which a match's page
+   alignment lowers as blocks grow. The cost model has no per-block term: small blocks cost nothing here.
+2. Compute (real engine on CPU, tiny-gqa preset, xla attention): throughput of one small batch at
+   each block size, where the cache is gathered block by block.
+
+Writes results/block_size.{md,png}.
+
+Usage: python -m paper_repro.block_size               (about 4 minutes on 2 cores)
+       python -m paper_repro.block_size --skip-engine
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+from tqdm import tqdm
+
+from llmjax.config import EngineConfig
+from llmjax.engine import LLMEngine
+from paper_repro import memory_waste, radix_hit_rate, traces
+from paper_repro.memory_waste import fmt
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+ENGINE_BLOCK_SIZES = [4, 16, 64, 256]
+# (lengths, req/s, requests): ShareGPT at the paper's Figure 13 rate; Alpaca at 60 req/s, where our simulated
+# vLLM is just memory bound at block size 16 (at the paper's 30 req/s it never is: its GPU steps were slower).
+DATASETS = {"ShareGPT": (traces.SHAREGPT, 2.0, 1000), "Alpaca": (traces.ALPACA, 60.0, 6000)}
+PAPER_BEST = {"ShareGPT": (16, 128), "Alpaca": (16, 32)}
+HIT_POOL = 1 << 18  # tokens: large enough that eviction plays no part
+
+
+def memory_sweep(seed: int) -> dict[str, list[dict[str, float]]]:
+    """Per dataset, one paged-pool run per block size, drained to the last request."""
+    results: dict[str, list[dict[str, float]]] = {}
+    with tqdm(total=len(DATASETS) * len(BLOCK_SIZES), desc="simulated pools", unit="run") as bar:
+        for name, (dist, rate, n) in DATASETS.items():
+            trace = traces.length_trace(dist, n, rate, seed, memory_waste.OPT_VOCAB, memory_waste.MAX_LEN)
+            results[name] = []
+            for bs in BLOCK_SIZES:
+                config = memory_waste.CONFIG.replace(block_size=bs)
+                results[name].append(memory_waste.run_system("paged", trace, config, drain=True) | {"block_size": bs})
+                bar.update(1)
+    return results
+
+
+def hit_rate_sweep(seed: int) -> dict[str, list[float]]:
+    """Per prefix-sharing workload, the first-admission hit rate at each block size."""
+    workloads = radix_hit_rate.scale_traces(seed)
+    results: dict[str, list[float]] = {}
+    with tqdm(total=len(workloads) * len(BLOCK_SIZES), desc="hit rate", unit="run") as bar:
+        for name, trace in workloads.items():
+            results[name] = []
+            for bs in BLOCK_SIZES:
+                config = radix_hit_rate.SCALE_CONFIG.replace(block_size=bs)
+                results[name].append(radix_hit_rate.simulate(trace, config, HIT_POOL)["hit_rate"])
+                bar.update(1)
+    return results
+
+
+def engine_sweep(args: argparse.Namespace) -> list[dict[str, float]]:
+    """Requests/s of one batch of random prompts (log-normal lengths, mean 200) at each block size: the
+    median of `args.repeats` runs, the block sizes taking turns so that a change in the machine's
+    load falls on all of them."""
+    model, tokenizer = radix_hit_rate.load(args.model)
+    rng = np.random.default_rng(args.seed)
+    lens = traces.lognormal_lengths(rng, args.engine_requests, 200, 0.6, 768)
+    prompts = [traces.random_tokens(rng, int(n), model.config.vocab_size) for n in lens]
+    workload = radix_hit_rate.single_round("random prompts", prompts)
+    engines = {bs: LLMEngine(model, tokenizer, EngineConfig(
+        max_num_batched_tokens=512, max_num_seqs=16, block_size=bs, max_model_len=1024,
+        kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False, attention_backend="xla"))
+        for bs in ENGINE_BLOCK_SIZES}
+    runs: dict[int, list[dict[str, float]]] = {bs: [] for bs in ENGINE_BLOCK_SIZES}
+    with tqdm(total=args.repeats * len(engines), desc="engine block sizes", unit="run") as bar:
+        for _ in range(args.repeats):
+            for bs, engine in engines.items():
+                runs[bs].append(radix_hit_rate.measure(engine, workload, args.max_tokens))
+                bar.update(1)
+    return [{k: float(np.median([r[k] for r in rs])) for k in ("throughput", "cpu_throughput", "ttft")}
+            | {"block_size": bs} for bs, rs in runs.items()]
+
+
+def memory_table(results: dict[str, list[dict[str, float]]]) -> list[str]:
+    lines = ["| dataset | block size | token states (%) | internal frag. (%) | external (%) | mean batch "
+             "| normalized latency (s/token) | preemptions |", "| --- |" + " --- |" * 7]
+    for name, rows in results.items():
+        for r in rows:
+            lines.append(f"| {name} | {r['block_size']} | {fmt(r['token_states'])} | "
+                         f"{fmt(r['internal_fragmentation'])} | {fmt(r['external_fragmentation'])} | "
+                         f"{r['mean_batch_size']:.1f} | "
+                         f"{r['normalized_latency']:.3f} | {r['preemptions']} |")
+    return lines
+
+
+def hit_table(hits: dict[str, list[float]]) -> list[str]:
+    lines = ["| workload | " + " | ".join(str(b) for b in BLOCK_SIZES) + " |", "| --- |" + " --- |" * len(BLOCK_SIZES)]
+    lines += [f"| {name} | " + " | ".join(f"{100 * h:.1f}%" for h in row) + " |" for name, row in hits.items()]
+    return lines
+
+
+def engine_table(rows: list[dict[str, float]]) -> list[str]:
+    base = next(r for r in rows if r["block_size"] == 16)
+    lines = ["| block size | req/s (wall) | relative to 16 | req per CPU second | relative to 16 | mean TTFT (s) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['block_size']} | {r['throughput']:.2f} | {r['throughput'] / base['throughput']:.2f} | "
+              f"{r['cpu_throughput']:.2f} | {r['cpu_throughput'] / base['cpu_throughput']:.2f} | {r['ttft']:.2f} |"
+              for r in rows]
+    return lines
+
+
+def plot(memory: dict, hits: dict, engine: list | None, path: Path) -> None:
+    panels = 3 + bool(engine)
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 4.0))
+    colors = {"ShareGPT": "#1b6ca8", "Alpaca": "#e07b39"}
+    ax = axes[0]
+    for i, (name, rows) in enumerate(memory.items()):
+        latency = np.array([r["normalized_latency"] for r in rows])
+        ax.plot(BLOCK_SIZES, latency / latency.min(), "o-", color=colors[name],
+                label=f"{name} ({DATASETS[name][1]:g} req/s; best {latency.min():.3f} s/token)")
+        lo, hi = PAPER_BEST[name]
+        y = 0.93 - 0.1 * i
+        ax.plot([lo, hi], [y, y], color=colors[name], lw=5, alpha=0.5, solid_capstyle="butt",
+                transform=ax.get_xaxis_transform())
+        ax.text(lo, y + 0.035, f"paper's best, {name}", fontsize=7, color=colors[name],
+                transform=ax.get_xaxis_transform())
+    ax.set_title("Simulated latency", fontsize=10)
+    ax.set_ylabel("mean normalized latency / the best block size's")
+    ax = axes[1]
+    for name, rows in memory.items():
+        ax.plot(BLOCK_SIZES, [r["token_states"] or np.nan for r in rows], "o-", color=colors[name],
+                label=f"{name}: token states")
+        ax.plot(BLOCK_SIZES, [r["internal_fragmentation"] or np.nan for r in rows], "s--", color=colors[name],
+                label=f"{name}: internal frag.")
+    ax.set_ylim(0, 100)
+    ax.set_title("Simulated KV memory (memory-bound steps)", fontsize=10)
+    ax.set_ylabel("% of KV memory")
+    ax = axes[2]
+    for (name, row), color in zip(hits.items(), ("#6aa84f", "#8e7cc3")):
+        ax.plot(BLOCK_SIZES, [100 * h for h in row], "o-", color=color, label=name)
+    ax.set_ylim(0, 100)
+    ax.set_title("Simulated prefix-cache hit rate", fontsize=10)
+    ax.set_ylabel("hit rate (%)")
+    if engine:
+        ax = axes[3]
+        base = next(r for r in engine if r["block_size"] == 16)
+        for key, style, label in (("throughput", "o-", "per wall second"), ("cpu_throughput", "s--", "per CPU second")):
+            ax.plot([r["block_size"] for r in engine], [r[key] / base[key] for r in engine], style, color="#444444",
+                    label=f"requests {label}")
+        ax.axhline(1.0, color="#bbbbbb", lw=0.8)
+        ratios = [r[k] / base[k] for r in engine for k in ("throughput", "cpu_throughput")]
+        ax.set_ylim(min(0.5, min(ratios) - 0.1), max(1.5, max(ratios) + 0.1))  # flat should look flat
+        ax.set_title("Real engine on CPU (tiny-gqa, xla): throughput", fontsize=10)
+        ax.set_ylabel("requests/s relative to block size 16")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size (tokens)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def report(memory: dict, hits: dict, engine: list | None, args: argparse.Namespace) -> str:
+    best = {name: min(rows, key=lambda r: r["normalized_latency"])["block_size"] for name, rows in memory.items()}
+
+    def slowdown_at_16(rows: list[dict[str, float]]) -> float:
+        latency = {r["block_size"]: r["normalized_latency"] for r in rows}
+        return latency[16] / min(latency.values()) - 1
+
+    at16 = " and ".join(f"{name} {slowdown_at_16(rows):.0%}" for name, rows in memory.items())
+    engine_section = "(skipped: --skip-engine)" if not engine else "\n".join(engine_table(engine))
+    engine_verdict = "" if not engine else (
+        "Requests per CPU second vary by {:.0%} across block sizes {}-{}: ".format(
+            max(r["cpu_throughput"] for r in engine) / min(r["cpu_throughput"] for r in engine) - 1,
+            engine[0]["block_size"], engine[-1]["block_size"])
+        + "on CPU the xla path reads blocks through gathers whose cost hardly depends on their size, so the "
+        "GPU-side penalty of small blocks, the other half of the paper's trade-off, does not show here (and "
+        "the simulator's cost model leaves it out too).")
+    return f"""# Block size: PagedAttention (SOSP 2023) §7.2, reproduced in parts
+
+`python -m paper_repro.block_size{' --skip-engine' if not engine else ''}`
+
+![block size](block_size.png)
+
+The paper (Figure 18b, vLLM on OPT-13B at fixed request rates): block sizes 16-128 are best on
+ShareGPT, 16-32 on Alpaca; larger blocks hurt Alpaca, whose sequences are shorter than a block;
+smaller ones underuse the GPU. Our two measurements each show one side of that trade-off.
+
+## Memory side: the simulator
+
+The `memory_waste` setting (OPT-13B, A100-40GB, 15,728 KV slots, our scheduler and paged KV
+manager without prefix caching), one trace per dataset (seed {args.seed}): ShareGPT 1000 requests at
+2 req/s (the paper's Figure 13 rate), Alpaca 6000 at 60 req/s (where our simulated vLLM is just memory
+bound at block size 16; at the paper's 30 req/s it never is, the paper's GPU steps being slower than
+our cost model's), each run until every request finishes. Memory shares are averaged over the
+memory-bound steady-state steps, as in `memory_waste.md`; normalized latency = latency / output length,
+averaged over requests (the paper's metric).
+
+{chr(10).join(memory_table(memory))}
+
+Lowest latency at block size: {", ".join(f"{n} {b}" for n, b in best.items())} (paper: 16-128 and 16-32).
+Block size 16 is {at16} slower than the best. In the simulator a block costs nothing to read, so
+latency gets worse as blocks grow (clearly from 64 on): a request's last block is on average half
+empty, which matters in proportion to its length (Alpaca's ~78 tokens against ShareGPT's ~500), fewer
+requests fit, and queues form. The paper's penalty for small blocks is a GPU-kernel effect the cost
+model leaves out.
+
+Prefix-cache hit rate at block size (first admissions, pool of {HIT_POOL} tokens so nothing is evicted;
+the workloads of `radix_hit_rate.md`): a match is whole pages and leaves the prompt's last token to
+compute, so up to a block of each shared prefix is recomputed.
+
+{chr(10).join(hit_table(hits))}
+
+## Compute side: the real engine on CPU
+
+tiny-gqa preset (random weights, 4 layers), xla attention, {args.engine_requests} prompts of mean length
+200 submitted at once, {args.max_tokens} output tokens each, at most 512 tokens and 16 requests per step,
+64 MiB of KV, prefix caching off; every step shape compiled before timing; the median of {args.repeats}
+runs, the block sizes taking turns. The xla path reads the cache as gathers of whole blocks, in chunks of
+128-256 keys, so a small block means many small gathers. The machine's two cores are shared with
+other work, so wall-clock rates can move by tens of percent between runs; requests per CPU second of
+this process (the work each request costs) are steadier.
+
+{engine_section}
+
+{engine_verdict}
+
+What our measurements show is the memory half: small blocks waste less, which matters most for short
+sequences (Alpaca) and for prefix hits, and 16 is close to the best on both datasets; the paper's
+measured optimum also reflects GPU kernel efficiency, which neither our CPU nor our cost model has.
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny-gqa", help="engine model (a preset name, or None for SmolLM2)")
+    parser.add_argument("--engine-requests", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    memory = memory_sweep(args.seed)
+    hits = hit_rate_sweep(args.seed)
+    engine = None if args.skip_engine else engine_sweep(args)
+    print("\n" + "\n".join(memory_table(memory)) + "\n\n" + "\n".join(hit_table(hits)))
+    if engine:
+        print("\n" + "\n".join(engine_table(engine)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(memory, hits, engine, args.out / "block_size.png")
+    (args.out / "block_size.md").write_text(report(memory, hits, engine, args))
+    print(f"wrote {args.out / 'block_size.md'} and .png")
+
+
+if __name__ == "__main__":
+    main()
