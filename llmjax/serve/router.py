@@ -1,0 +1,366 @@
+"""`llmjax router`: one HTTP process in front of N replicas (`llmjax serve` URLs), same OpenAI API.
+
+`build_router_app(urls, policy)` -> FastAPI app; `app.state.router` is the `Router`.
+
+- `/v1/completions`, `/v1/chat/completions`: the policy (`llmjax/serve/routing.py`) picks a worker
+  from the request's routing key: `cache_salt` (the tenant) plus `request_text(body)`. The worker's
+  response is relayed as it arrives, chunk by chunk (SSE streams included), with its status code
+  and content type; the header `x-llmjax-worker` names the worker.
+- `/v1/models`, `/tokenize`, `/detokenize`: relayed to the least-loaded healthy worker.
+- Failures: when a worker fails before the first byte of its response body (no connection, a 503,
+  a dropped connection), the request goes to another healthy worker (each worker tried at most
+  once; none left: 503). A refused connection or a 503 also takes the worker down at once; a
+  dropped one does not (a keep-alive connection the worker closed as it was reused looks the same).
+  A worker that fails later ends the relayed body (an SSE stream gets an OpenAI error event and
+  `[DONE]`). A client that disconnects first closes the worker's response, so the worker aborts
+  the request.
+- Health: every `health_check_interval` seconds each worker's `/health` is fetched. A worker goes
+  down after `health_failure_threshold` failed checks in a row (a busy replica may answer late; a
+  request that cannot reach it takes it down at once) and is back on the first 200. A down worker
+  gets no requests and the policy forgets its tree. The router's own `/health` is 200 while any
+  worker is up.
+- `/metrics` (Prometheus): `llmjax:router_requests_total{worker}` (requests sent, retries
+  included), `llmjax:router_decisions_total{policy,reason}`, `llmjax:router_worker_failures_total`
+  (attempts that failed before the first byte),
+  `llmjax:router_failed_requests_total` (no worker could take it), gauges
+  `llmjax:router_requests_in_flight{worker}` and `llmjax:router_worker_up{worker}`.
+  `/workers` lists the same per worker as JSON.
+
+Threads: everything (handlers, the health task, the policy, the worker table) runs on the app's
+event loop, so nothing is locked; the policy is not thread-safe and must stay there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any, AsyncIterator, Callable
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from llmjax.serve import routing
+from llmjax.serve.protocol import error_body
+
+log = logging.getLogger(__name__)
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+RELAYED_PATHS = (("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize"))
+
+
+def request_text(body: Any, chat: bool) -> str:
+    """The text a request is matched on: the chat messages concatenated (role, newline, content,
+    newline each), or the completion prompt: a string as is, token ids joined by spaces, several
+    prompts joined by newlines. Anything malformed gives "" (the worker will refuse it)."""
+    if not isinstance(body, dict):
+        return ""
+    if chat:
+        parts = []
+        for message in body.get("messages") or []:
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            parts.append(f"{message.get('role', '')}\n{content or ''}\n")
+        return "".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list) or not prompt:
+        return ""
+    if all(isinstance(t, int) for t in prompt):
+        return " ".join(map(str, prompt))
+    return "\n".join(request_text({"prompt": p}, False) for p in prompt)
+
+
+@dataclass
+class WorkerState:
+    url: str
+    up: bool = False
+    in_flight: int = 0
+    requests: int = 0
+    failed_checks: int = 0  # in a row
+    problem: str = "not checked yet"
+
+
+class _WorkerFailed(Exception):
+    """The worker failed before the first byte; `down`: it cannot take requests (refused, 503)."""
+
+    def __init__(self, message: str, down: bool):
+        super().__init__(message)
+        self.down = down
+
+
+class _Relay(StreamingResponse):
+    """Relays a worker's response from its first chunk on; however the relay ends (done, client
+    gone, worker failed), it closes the worker's response and calls `on_close`."""
+
+    def __init__(self, upstream: httpx.Response, first: bytes, rest: AsyncIterator[bytes], worker_url: str,
+                 on_close: Callable[[], None]):
+        headers = {"x-llmjax-worker": worker_url}
+        if "content-type" in upstream.headers:
+            headers["content-type"] = upstream.headers["content-type"]
+        super().__init__(self._chunks(first, rest), status_code=upstream.status_code, headers=headers)
+        self.upstream, self.worker_url, self.on_close = upstream, worker_url, on_close
+        self.sse = headers.get("content-type", "").startswith("text/event-stream")
+
+    async def _chunks(self, first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        yield first
+        try:
+            async for chunk in rest:
+                yield chunk
+        except httpx.HTTPError as exc:
+            log.warning("worker %s failed mid-response: %r", self.worker_url, exc)
+            if self.sse:
+                error = error_body(f"worker failed mid-stream: {exc!r}", "internal_server_error", code=502)
+                yield f"\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.upstream.aclose()
+            self.on_close()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _WorkerCollector:
+    def __init__(self, workers: dict[str, WorkerState]):
+        self.workers = workers
+
+    def collect(self):
+        for name, doc, value in (("router_requests_in_flight", "Requests relayed now.", lambda w: w.in_flight),
+                                 ("router_worker_up", "1 while the worker passes health checks.", lambda w: w.up)):
+            gauge = GaugeMetricFamily("llmjax:" + name, doc, labels=["worker"])
+            for w in self.workers.values():
+                gauge.add_metric([w.url], float(value(w)))
+            yield gauge
+
+
+class Router:
+    """The worker table, the policy, the HTTP client and the health task (module docstring)."""
+
+    def __init__(self, urls: list[str], policy: routing.RoutingPolicy, health_check_interval: float = 10.0,
+                 health_check_timeout: float = 5.0, health_failure_threshold: int = 3):
+        if not urls:
+            raise ValueError("the router needs at least one worker URL")
+        self.workers = {u.rstrip("/"): WorkerState(u.rstrip("/")) for u in urls}
+        self.policy = policy
+        self.health_check_interval = health_check_interval
+        self.health_check_timeout = health_check_timeout
+        self.health_failure_threshold = health_failure_threshold
+        # Idle connections are dropped before uvicorn's 5 s keep-alive timeout closes them under us.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=health_check_timeout), limits=limits)
+        self._health_task: asyncio.Task | None = None
+        self.registry = CollectorRegistry()
+        self.registry.register(_WorkerCollector(self.workers))
+        self.requests = Counter("llmjax:router_requests", "Requests sent to each worker (retries included).",
+                                ["worker"], registry=self.registry)
+        self.decisions = Counter("llmjax:router_decisions", "Routing decisions by policy and reason.",
+                                 ["policy", "reason"], registry=self.registry)
+        self.worker_failures = Counter("llmjax:router_worker_failures", "Attempts that failed before the first "
+                                       "byte (the request then goes to another worker).", registry=self.registry)
+        self.failed = Counter("llmjax:router_failed_requests", "Requests no worker could take.",
+                              registry=self.registry)
+
+    # --- health ---------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Check every worker once, then keep checking in the background."""
+        await self.check_all()
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        await self.client.aclose()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_check_interval)
+            await self.check_all()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(w) for w in self.workers.values()))
+
+    async def _check(self, worker: WorkerState) -> None:
+        try:
+            r = await self.client.get(f"{worker.url}/health", timeout=self.health_check_timeout)
+            problem = "" if r.status_code == 200 else f"/health {r.status_code}: {r.text[:200]}"
+        except httpx.HTTPError as exc:
+            problem = f"/health failed: {exc!r}"
+        if not problem:
+            if not worker.up:
+                log.info("worker %s is up", worker.url)
+            worker.up, worker.problem, worker.failed_checks = True, "", 0
+            return
+        worker.failed_checks += 1
+        if worker.failed_checks >= self.health_failure_threshold or not worker.up:
+            self._mark_down(worker, problem)
+
+    def _mark_down(self, worker: WorkerState, problem: str) -> None:
+        if worker.up:
+            log.warning("worker %s is down: %s", worker.url, problem)
+            self.policy.forget(worker.url)
+        worker.up, worker.problem = False, problem
+
+    # --- relaying -------------------------------------------------------------------------------------
+    def loads(self, exclude: set[str] = frozenset()) -> dict[str, int]:
+        """Requests in flight on each up worker not in `exclude`, in the configured order."""
+        return {u: w.in_flight for u, w in self.workers.items() if w.up and u not in exclude}
+
+    def _release(self, worker: WorkerState) -> None:
+        worker.in_flight -= 1
+
+    async def relay(self, request: Request, path: str, routed: bool) -> Response:
+        """Relay one request: to the policy's choice (`routed`) or the least-loaded worker, then to
+        the others in turn while they fail before the first byte."""
+        body = await request.body()
+        key = _routing_key(path, body) if routed else ""
+        tried: set[str] = set()
+        while loads := self.loads(exclude=tried):
+            if routed:
+                decision = self.policy.select(key, loads)
+                self.decisions.labels(self.policy.name, decision.reason).inc()
+                url = decision.worker
+            else:
+                url = min(loads, key=loads.__getitem__)
+            tried.add(url)
+            worker = self.workers[url]
+            worker.in_flight += 1
+            worker.requests += 1
+            self.requests.labels(url).inc()
+            try:
+                response = await self._open(request, worker, path, body)
+            except _WorkerFailed as exc:
+                self._release(worker)
+                log.warning("worker %s failed before the first byte: %s", url, exc)
+                if exc.down:
+                    self._mark_down(worker, str(exc))
+                self.worker_failures.inc()
+            except BaseException:
+                self._release(worker)
+                raise
+            else:
+                if response is None:  # the client left
+                    self._release(worker)
+                    return Response(status_code=499)
+                return response
+        self.failed.inc()
+        return JSONResponse(error_body("no healthy worker can take the request", "service_unavailable", code=503),
+                            status_code=503)
+
+    async def _open(self, request: Request, worker: WorkerState, path: str, body: bytes) -> Response | None:
+        """Send the request to `worker` and wait for the first byte of its body; the relay of the
+        response, or None when the client left first. `_WorkerFailed` (nothing relayed yet) when
+        the worker cannot be reached, answers 503 or drops the connection."""
+        headers = {"content-type": request.headers.get("content-type", "application/json")}
+        upstream_request = self.client.build_request(request.method, worker.url + path, content=body, headers=headers)
+        opening = asyncio.ensure_future(self._first_byte(upstream_request, path))
+        watch = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({opening, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not opening.done():
+                return None
+            upstream, first, rest = opening.result()
+            return _Relay(upstream, first, rest, worker.url, lambda: self._release(worker))
+        finally:
+            watch.cancel()
+            if not opening.done():
+                opening.cancel()
+                await asyncio.wait({opening})  # it closes its response
+
+    async def _first_byte(self, upstream_request: httpx.Request, path: str):
+        try:
+            upstream = await self.client.send(upstream_request, stream=True)
+        except httpx.TransportError as exc:
+            down = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+            raise _WorkerFailed(f"{path} failed: {exc!r}", down) from exc
+        try:
+            if upstream.status_code == 503:
+                raise _WorkerFailed(f"{path} 503: {(await upstream.aread())[:200]!r}", down=True)
+            rest = upstream.aiter_raw()
+            return upstream, await anext(rest, b""), rest
+        except BaseException as exc:
+            await upstream.aclose()
+            if isinstance(exc, httpx.TransportError):
+                raise _WorkerFailed(f"{path} failed before the body: {exc!r}", down=False) from exc
+            raise
+
+    # --- the router's own endpoints ---------------------------------------------------------------------
+    async def health(self) -> Response:
+        if any(w.up for w in self.workers.values()):
+            return Response(status_code=200)
+        problems = "; ".join(f"{w.url}: {w.problem}" for w in self.workers.values())
+        return JSONResponse(error_body(f"no worker is up ({problems})", "service_unavailable", code=503),
+                            status_code=503)
+
+    async def metrics_text(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def worker_list(self) -> list[dict]:
+        return [asdict(w) for w in self.workers.values()]
+
+
+def _routing_key(path: str, body: bytes) -> str:
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        payload = None
+    tenant = payload.get("cache_salt") if isinstance(payload, dict) else None
+    return routing.routing_key(request_text(payload, path.endswith("/chat/completions")),
+                               tenant if isinstance(tenant, str) else None)
+
+
+def build_router_app(urls: list[str], policy: routing.RoutingPolicy, health_check_interval: float = 10.0,
+                     health_check_timeout: float = 5.0, health_failure_threshold: int = 3) -> FastAPI:
+    """The router app; its lifespan checks the workers once, then runs the health task."""
+    router = Router(urls, policy, health_check_interval, health_check_timeout, health_failure_threshold)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await router.start()
+        yield
+        await router.close()
+
+    app = FastAPI(title="llmjax router", lifespan=lifespan)
+    app.state.router = router
+    for path in ROUTED_PATHS:
+        app.add_api_route(path, _handler(router, path, routed=True), methods=["POST"])
+    for method, path in RELAYED_PATHS:
+        app.add_api_route(path, _handler(router, path, routed=False), methods=[method])
+    app.add_api_route("/health", router.health, methods=["GET"])
+    app.add_api_route("/metrics", router.metrics_text, methods=["GET"])
+    app.add_api_route("/workers", router.worker_list, methods=["GET"])
+    return app
+
+
+def _handler(router: Router, path: str, routed: bool):
+    async def handle(request: Request) -> Response:
+        return await router.relay(request, path, routed)
+    return handle
+
+
+# --- command line ------------------------------------------------------------------------------------------
+def serve_router(urls: list[str], args: argparse.Namespace) -> None:
+    """Run the router with uvicorn on `args.host:args.port` until interrupted (flags:
+    `routing.add_router_args`, plus `--uvicorn-log-level`)."""
+    import uvicorn
+
+    app = build_router_app(urls, routing.policy_from_args(args), args.health_check_interval,
+                           args.health_check_timeout, args.health_failure_threshold)
+    print(f"routing ({args.policy}) over {len(urls)} workers at http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

@@ -1,0 +1,296 @@
+"""Routing policies: which replica serves a request. Pure Python, no I/O, no clock.
+
+The same objects drive the HTTP router (`llmjax/serve/router.py`) and the simulated cluster
+(`experiments/routing.py`). A policy sees a request's routing key (`routing_key`: its tenant and
+its text) and the load of each candidate worker (requests in flight through the router, on the
+healthy workers only), and returns a `Decision`: the worker and why.
+
+- `round_robin`: the candidates in turn.
+- `least_load`: the candidate with the fewest requests in flight (ties: the earlier worker).
+- `cache_aware` (SGLang router's rule): each worker has an `ApproxRadixTree` of the keys recently
+  sent to it (characters, not tokens: no tokenizer needed). If the load is imbalanced,
+  `max - min > balance_abs_threshold` and `max > balance_rel_threshold * min`, the least-loaded
+  worker gets the request. Otherwise the worker whose tree shares the longest prefix with the key
+  gets it if that prefix is more than `cache_threshold` of the key; else the least-loaded worker
+  (ties: the smaller tree, then the earlier worker). SGLang sends that last case to the smallest
+  tree instead; least load spreads new prefix families over idle replicas first. Every decision,
+  imbalanced ones included, inserts the key into the chosen worker's tree.
+
+Not thread-safe: one owner calls a policy (the router's event loop, or the simulation driver).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+
+Worker = Hashable
+
+# SGLang router's original defaults (sglang_router's RouterArgs and CacheAwareConfig; its tree limit
+# counts characters per worker). Later releases raised them to cache_threshold 0.3,
+# balance_abs_threshold 64, balance_rel_threshold 1.5 and max_tree_size 2**26.
+DEFAULT_CACHE_THRESHOLD = 0.5
+DEFAULT_BALANCE_ABS_THRESHOLD = 32
+DEFAULT_BALANCE_REL_THRESHOLD = 1.0001
+DEFAULT_MAX_TREE_CHARS = 2**24
+POLICIES = ("cache_aware", "round_robin", "least_load")
+
+
+def routing_key(text: str, tenant: str | None = None) -> str:
+    """The key a request is routed on: the tenant (`cache_salt`) and a NUL first, so one tenant's
+    text never matches another's, then the request's text."""
+    return f"{tenant}\x00{text}" if tenant else text
+
+
+class _Node:
+    __slots__ = ("edge", "parent", "children", "last_access")
+
+    def __init__(self, edge: str, parent: _Node | None, last_access: int):
+        self.edge = edge
+        self.parent = parent
+        self.children: dict[str, _Node] = {}  # first character of the child's edge -> child
+        self.last_access = last_access
+
+
+def _common_prefix_len(text: str, start: int, edge: str) -> int:
+    if text.startswith(edge, start):
+        return len(edge)
+    n = 0
+    for a, b in zip(edge, text[start:start + len(edge)]):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+class ApproxRadixTree:
+    """The keys recently routed to one worker: a character radix tree of at most `max_chars`
+    characters (edge lengths summed). `insert` refreshes the key's path; when the tree grows past
+    `max_chars` the least recently inserted leaves are evicted, whole edges at a time. It stands for
+    the worker's prefix cache without asking it (hence approximate)."""
+
+    def __init__(self, max_chars: int = DEFAULT_MAX_TREE_CHARS):
+        if max_chars < 1:
+            raise ValueError(f"max_chars must be positive, got {max_chars}")
+        self.max_chars = max_chars
+        self.num_chars = 0
+        self._clock = 0
+        self._root = _Node("", None, 0)
+        self._leaves: list[tuple[int, int, _Node]] = []  # (last_access, tiebreak, leaf); stale entries skipped
+        self._tiebreak = itertools.count()
+        self._num_nodes = 0
+
+    def match(self, key: str) -> int:
+        """Length of the longest prefix of `key` stored in the tree. Pure (no LRU refresh)."""
+        node, i = self._root, 0
+        while i < len(key):
+            child = node.children.get(key[i])
+            if child is None:
+                break
+            n = _common_prefix_len(key, i, child.edge)
+            i += n
+            if n < len(child.edge):
+                break
+            node = child
+        return i
+
+    def insert(self, key: str) -> None:
+        """Store `key` and mark its path most recently used; then evict down to `max_chars`."""
+        if not key:
+            return
+        self._clock += 1
+        node, i = self._root, 0
+        while i < len(key):
+            node.last_access = self._clock
+            child = node.children.get(key[i])
+            if child is None:
+                leaf = _Node(key[i:], node, self._clock)
+                node.children[key[i]] = leaf
+                self.num_chars += len(leaf.edge)
+                self._num_nodes += 1
+                node = leaf
+                break
+            n = _common_prefix_len(key, i, child.edge)
+            if n < len(child.edge):
+                child = self._split(child, n)
+            node, i = child, i + n
+        node.last_access = self._clock
+        if not node.children:
+            self._push_leaf(node)
+        self._evict()
+
+    def _split(self, child: _Node, n: int) -> _Node:
+        """Cut `child`'s edge after `n` characters; returns the new upper node."""
+        upper = _Node(child.edge[:n], child.parent, child.last_access)
+        upper.parent.children[upper.edge[0]] = upper
+        child.edge, child.parent = child.edge[n:], upper
+        upper.children[child.edge[0]] = child
+        self._num_nodes += 1
+        return upper
+
+    def _push_leaf(self, leaf: _Node) -> None:
+        heapq.heappush(self._leaves, (leaf.last_access, next(self._tiebreak), leaf))
+        if len(self._leaves) > 4 * self._num_nodes + 64:  # drop stale entries
+            self._leaves = [e for e in self._leaves if self._live_leaf(e)]
+            heapq.heapify(self._leaves)
+
+    @staticmethod
+    def _live_leaf(entry: tuple[int, int, _Node]) -> bool:
+        last_access, _, node = entry
+        return node.parent is not None and not node.children and node.last_access == last_access
+
+    def _evict(self) -> None:
+        while self.num_chars > self.max_chars and self._leaves:
+            entry = heapq.heappop(self._leaves)
+            if not self._live_leaf(entry):
+                continue
+            leaf = entry[2]
+            parent = leaf.parent
+            del parent.children[leaf.edge[0]]
+            leaf.parent = None
+            self.num_chars -= len(leaf.edge)
+            self._num_nodes -= 1
+            if parent is not self._root and not parent.children:
+                self._push_leaf(parent)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A routing decision: the chosen worker and the rule that chose it (`round_robin`,
+    `least_load`, `imbalanced`, `cache_hit`, `cache_miss`)."""
+
+    worker: Worker
+    reason: str
+
+
+class RoutingPolicy:
+    """Base class. `select(key, loads)`: `loads` maps each candidate worker (healthy, in the
+    router's order) to its requests in flight; ValueError when it is empty. `forget(worker)` drops
+    what the policy remembers of a worker (its cache is presumed lost: it died or restarted)."""
+
+    name = ""
+
+    def select(self, key: str, loads: Mapping[Worker, int]) -> Decision:
+        raise NotImplementedError
+
+    def forget(self, worker: Worker) -> None:
+        pass
+
+
+def _check(loads: Mapping[Worker, int]) -> None:
+    if not loads:
+        raise ValueError("no worker to route to")
+
+
+class RoundRobin(RoutingPolicy):
+    name = "round_robin"
+
+    def __init__(self):
+        self._next = 0
+
+    def select(self, key: str, loads: Mapping[Worker, int]) -> Decision:
+        _check(loads)
+        workers = list(loads)
+        worker = workers[self._next % len(workers)]
+        self._next += 1
+        return Decision(worker, "round_robin")
+
+
+class LeastLoad(RoutingPolicy):
+    name = "least_load"
+
+    def select(self, key: str, loads: Mapping[Worker, int]) -> Decision:
+        _check(loads)
+        return Decision(min(loads, key=loads.__getitem__), "least_load")
+
+
+class CacheAware(RoutingPolicy):
+    """SGLang's cache-aware rule over one `ApproxRadixTree` per worker (module docstring)."""
+
+    name = "cache_aware"
+
+    def __init__(self, cache_threshold: float = DEFAULT_CACHE_THRESHOLD,
+                 balance_abs_threshold: int = DEFAULT_BALANCE_ABS_THRESHOLD,
+                 balance_rel_threshold: float = DEFAULT_BALANCE_REL_THRESHOLD,
+                 max_tree_chars: int = DEFAULT_MAX_TREE_CHARS):
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.max_tree_chars = max_tree_chars
+        self.trees: dict[Worker, ApproxRadixTree] = {}
+
+    def tree(self, worker: Worker) -> ApproxRadixTree:
+        if worker not in self.trees:
+            self.trees[worker] = ApproxRadixTree(self.max_tree_chars)
+        return self.trees[worker]
+
+    def forget(self, worker: Worker) -> None:
+        self.trees.pop(worker, None)
+
+    def imbalanced(self, loads: Mapping[Worker, int]) -> bool:
+        lo, hi = min(loads.values()), max(loads.values())
+        return hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo
+
+    def select(self, key: str, loads: Mapping[Worker, int]) -> Decision:
+        _check(loads)
+        workers = list(loads)
+
+        def least_loaded() -> Worker:
+            return min(workers, key=lambda w: (loads[w], self.tree(w).num_chars))
+
+        if self.imbalanced(loads):
+            decision = Decision(least_loaded(), "imbalanced")
+        else:
+            matched = {w: self.tree(w).match(key) for w in workers}
+            best = min(workers, key=lambda w: (-matched[w], loads[w]))
+            if key and matched[best] / len(key) > self.cache_threshold:
+                decision = Decision(best, "cache_hit")
+            else:
+                decision = Decision(least_loaded(), "cache_miss")
+        self.tree(decision.worker).insert(key)
+        return decision
+
+
+def make_policy(name: str, **cache_aware_options) -> RoutingPolicy:
+    """A policy by name (`POLICIES`); `cache_aware_options` go to `CacheAware` and are ignored
+    by the others."""
+    if name == "cache_aware":
+        return CacheAware(**cache_aware_options)
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_load":
+        return LeastLoad()
+    raise ValueError(f"unknown routing policy {name!r}; choose one of {POLICIES}")
+
+
+# --- command line -----------------------------------------------------------------------------------
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    """The router's flags: policy, thresholds, health checks (`llmjax router`, `llmjax cluster`)."""
+    parser.add_argument("--policy", choices=POLICIES, default="cache_aware")
+    parser.add_argument("--cache-threshold", type=float, default=DEFAULT_CACHE_THRESHOLD,
+                        help="cache_aware: go to the best-matching worker when more than this fraction of the "
+                             "request's text matches its tree (default %(default)s)")
+    parser.add_argument("--balance-abs-threshold", type=int, default=DEFAULT_BALANCE_ABS_THRESHOLD,
+                        help="cache_aware: the load is imbalanced when max - min requests in flight exceeds this "
+                             "(default %(default)s) and max exceeds --balance-rel-threshold times min")
+    parser.add_argument("--balance-rel-threshold", type=float, default=DEFAULT_BALANCE_REL_THRESHOLD,
+                        help="cache_aware: see --balance-abs-threshold (default %(default)s)")
+    parser.add_argument("--max-tree-chars", type=int, default=DEFAULT_MAX_TREE_CHARS,
+                        help="cache_aware: characters kept in each worker's tree, LRU eviction (default %(default)s)")
+    parser.add_argument("--health-check-interval", type=float, default=10.0,
+                        help="seconds between /health checks of every worker (default %(default)s)")
+    parser.add_argument("--health-check-timeout", type=float, default=5.0,
+                        help="seconds a /health check or a connection attempt may take (default %(default)s)")
+    parser.add_argument("--health-failure-threshold", type=int, default=3,
+                        help="failed /health checks in a row that take a worker out (default %(default)s)")
+
+
+def policy_from_args(args: argparse.Namespace) -> RoutingPolicy:
+    return make_policy(args.policy, cache_threshold=args.cache_threshold,
+                       balance_abs_threshold=args.balance_abs_threshold,
+                       balance_rel_threshold=args.balance_rel_threshold, max_tree_chars=args.max_tree_chars)

@@ -1,0 +1,172 @@
+"""Routing policies (`llmjax/serve/routing.py`) and the router's request text, without any server.
+
+The approximate radix tree is checked against a naive model: the set of inserted keys, where the
+longest stored prefix of a key is its longest common prefix with any of them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmjax.serve.router import request_text
+from llmjax.serve.routing import ApproxRadixTree, CacheAware, Decision, LeastLoad, RoundRobin, make_policy, routing_key
+
+SYSTEM_A = "You are a pirate. Answer every question in pirate speak, with at least one arr. " * 4
+SYSTEM_B = "Act as a careful lawyer. Cite the statute for every claim you make, and hedge. " * 4
+
+
+def naive_match(keys: list[str], key: str) -> int:
+    return max((len(os.path.commonprefix([k, key])) for k in keys), default=0)
+
+
+keys = st.text(alphabet="abc", max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(keys, max_size=30), st.lists(keys, max_size=10))
+def test_tree_matches_the_naive_model(inserted, queries):
+    tree = ApproxRadixTree()
+    for k in inserted:
+        tree.insert(k)
+    for q in queries + inserted:
+        assert tree.match(q) == naive_match(inserted, q)
+    assert tree.num_chars <= sum(map(len, inserted))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(keys, min_size=1, max_size=30), st.integers(1, 20))
+def test_tree_stays_bounded_and_keeps_the_newest_key(inserted, max_chars):
+    tree = ApproxRadixTree(max_chars)
+    for k in inserted:
+        tree.insert(k)
+        assert tree.num_chars <= max_chars
+        assert tree.match(k) == len(k) or len(k) > max_chars  # the newest key is never the LRU leaf
+    for q in inserted:
+        assert tree.match(q) <= naive_match(inserted, q)
+
+
+def test_tree_evicts_least_recently_inserted_first():
+    tree = ApproxRadixTree(max_chars=20)
+    tree.insert("aaaaaaaaaa")
+    tree.insert("bbbbbbbbbb")
+    tree.insert("aaaaaaaaaa")  # refresh a: b is now the oldest
+    tree.insert("cccccccccc")
+    assert tree.match("aaaaaaaaaa") == 10 and tree.match("cccccccccc") == 10
+    assert tree.match("bbbbbbbbbb") == 0
+
+
+def test_tree_shared_prefix_is_stored_once():
+    tree = ApproxRadixTree()
+    tree.insert(SYSTEM_A + "question one")
+    tree.insert(SYSTEM_A + "question two")
+    assert tree.num_chars == len(SYSTEM_A + "question ") + len("one") + len("two")
+    assert tree.match(SYSTEM_A + "question six") == len(SYSTEM_A + "question ")
+
+
+def test_cache_aware_sends_a_prefix_family_to_one_worker():
+    policy = CacheAware()
+    loads = {"w0": 0, "w1": 0}
+    first = policy.select(SYSTEM_A + "q0", loads)
+    assert first.reason == "cache_miss"
+    loads[first.worker] += 1
+    other = policy.select(SYSTEM_B + "q0", loads)  # a new family goes to the least-loaded worker
+    assert other.reason == "cache_miss" and other.worker != first.worker
+    for i in range(1, 5):
+        d = policy.select(SYSTEM_A + f"q{i}", loads)
+        assert (d.worker, d.reason) == (first.worker, "cache_hit")
+
+
+def test_cache_threshold_is_a_strict_lower_bound_on_the_match_rate():
+    loads = {"w0": 1, "w1": 0}
+    at_threshold = CacheAware(cache_threshold=0.5)
+    at_threshold.tree("w0").insert("x" * 50)
+    assert at_threshold.select("x" * 50 + "y" * 50, loads) == Decision("w1", "cache_miss")
+    above = CacheAware(cache_threshold=0.5)
+    above.tree("w0").insert("x" * 51)
+    assert above.select("x" * 51 + "y" * 49, loads) == Decision("w0", "cache_hit")
+    zero = CacheAware(cache_threshold=0.0)  # any match at all wins
+    zero.tree("w0").insert("x")
+    assert zero.select("x" + "y" * 99, loads) == Decision("w0", "cache_hit")
+
+
+def test_cache_miss_goes_to_the_least_loaded_worker_then_the_smaller_tree():
+    policy = CacheAware()
+    policy.tree("w0").insert(SYSTEM_A)
+    assert policy.select(SYSTEM_B, {"w0": 3, "w1": 5, "w2": 1}) == Decision("w2", "cache_miss")
+    policy = CacheAware()
+    policy.tree("w0").insert("abcdefgh")
+    policy.tree("w1").insert("xyz")
+    assert policy.select("something else", {"w0": 0, "w1": 0}) == Decision("w1", "cache_miss")
+
+
+def test_imbalance_overrides_the_cache_match():
+    policy = CacheAware(balance_abs_threshold=32, balance_rel_threshold=1.0001)
+    policy.tree("w0").insert(SYSTEM_A)
+    d = policy.select(SYSTEM_A + "q", {"w0": 40, "w1": 7})  # 33 apart, 40 > 7.0007
+    assert (d.worker, d.reason) == ("w1", "imbalanced")
+    assert policy.tree("w1").match(SYSTEM_A + "q") == len(SYSTEM_A + "q")  # the tree still learns it
+    policy = CacheAware(balance_abs_threshold=32, balance_rel_threshold=1.0001)
+    policy.tree("w0").insert(SYSTEM_A)
+    assert policy.select(SYSTEM_A + "q", {"w0": 40, "w1": 8}) == Decision("w0", "cache_hit")  # 32 apart
+
+
+def test_relative_threshold_also_has_to_be_exceeded():
+    policy = CacheAware(balance_abs_threshold=32, balance_rel_threshold=2.0)
+    policy.tree("w0").insert(SYSTEM_A)
+    assert policy.select(SYSTEM_A, {"w0": 100, "w1": 60}).reason == "cache_hit"  # 100 <= 2 * 60
+    assert policy.select(SYSTEM_A, {"w0": 130, "w1": 60}).reason == "imbalanced"
+
+
+def test_evicted_prefixes_no_longer_attract_requests():
+    policy = CacheAware(max_tree_chars=len(SYSTEM_A) + 10)
+    assert policy.select(SYSTEM_A + "q0", {"w0": 0, "w1": 0}).worker == "w0"
+    policy.select(SYSTEM_B + "q0", {"w0": 0})  # only w0 is a candidate: B pushes A out of w0's tree
+    assert policy.tree("w0").match(SYSTEM_A) == 0
+    d = policy.select(SYSTEM_A + "q1", {"w0": 2, "w1": 1})
+    assert (d.worker, d.reason) == ("w1", "cache_miss")
+
+
+def test_tenants_do_not_pull_each_others_traffic():
+    policy = CacheAware()
+    loads = {"w0": 0, "w1": 0}
+    a = policy.select(routing_key(SYSTEM_A, "tenant-a"), loads)
+    loads[a.worker] += 1
+    b = policy.select(routing_key(SYSTEM_A, "tenant-b"), loads)
+    assert b.reason == "cache_miss" and b.worker != a.worker
+    loads[b.worker] += 5  # even when the tenant's own worker is busier, same-tenant text sticks to it
+    assert policy.select(routing_key(SYSTEM_A + "more", "tenant-b"), loads) == Decision(b.worker, "cache_hit")
+    assert routing_key("text") == "text"
+
+
+def test_forget_drops_a_workers_tree():
+    policy = CacheAware()
+    policy.tree("w0").insert(SYSTEM_A)
+    policy.forget("w0")
+    assert policy.select(SYSTEM_A, {"w0": 1, "w1": 0}) == Decision("w1", "cache_miss")
+
+
+def test_round_robin_and_least_load():
+    rr = RoundRobin()
+    assert [rr.select("", {"a": 9, "b": 0, "c": 0}).worker for _ in range(4)] == ["a", "b", "c", "a"]
+    assert LeastLoad().select("", {"a": 2, "b": 1, "c": 1}).worker == "b"
+    for policy in (rr, LeastLoad(), CacheAware()):
+        with pytest.raises(ValueError):
+            policy.select("x", {})
+    with pytest.raises(ValueError):
+        make_policy("random")
+    assert make_policy("round_robin", cache_threshold=0.9).name == "round_robin"
+
+
+def test_request_text():
+    assert request_text({"prompt": "hello"}, chat=False) == "hello"
+    assert request_text({"prompt": [1, 22, 333]}, chat=False) == "1 22 333"
+    assert request_text({"prompt": ["ab", [1, 2]]}, chat=False) == "ab\n1 2"
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]
+    assert request_text({"messages": messages}, chat=True) == "system\nbe brief\nuser\nhi there\n"
+    for bad in (None, [], {"prompt": 3}, {"prompt": []}, {"messages": "x"}):
+        assert request_text(bad, chat=False) == request_text(bad, chat=True) == ""
