@@ -1,4 +1,4 @@
-"""`llmjax` command line: `generate`, `serve`, `bench`, `router`.
+"""`llmjax` command line: `generate`, `serve`, `bench`, `router`, `cluster`.
 
 Engine flags follow vLLM's names (`--max-num-batched-tokens`, `--max-num-seqs`, `--block-size`,
 `--max-model-len`, `--enable-prefix-caching/--no-enable-prefix-caching`, ...).
@@ -89,6 +89,21 @@ def cmd_bench(args: argparse.Namespace) -> None:
     run_bench(args)
 
 
+def cmd_router(args: argparse.Namespace) -> None:
+    from llmjax.serve.router import serve_router
+
+    urls = [u for u in args.workers.split(",") if u]
+    if not urls:
+        sys.exit("error: --workers needs at least one URL")
+    serve_router(urls, args)
+
+
+def cmd_cluster(args: argparse.Namespace) -> None:
+    from llmjax.serve.cluster import run_cluster
+
+    run_cluster(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="llmjax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,6 +133,33 @@ def main(argv: list[str] | None = None) -> None:
     bench = sub.add_parser("bench", help="benchmark a running server (like `vllm bench serve`)")
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    from llmjax.serve.routing import add_router_args
+
+    router = sub.add_parser("router", help="route requests over several `llmjax serve` replicas")
+    router.add_argument("--workers", required=True, help="comma-separated replica URLs: http://h1:8000,http://h2:8000")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_router_args(router)
+    router.set_defaults(func=cmd_router)
+
+    cluster = sub.add_parser("cluster", help="N `llmjax serve` replicas and the router on this machine")
+    add_engine_args(cluster)
+    cluster.add_argument("--replicas", type=int, required=True)
+    cluster.add_argument("--host", default="127.0.0.1", help="the router's address")
+    cluster.add_argument("--port", type=int, default=8000, help="the router's port")
+    cluster.add_argument("--replica-base-port", type=int, default=None,
+                         help="replica i listens on 127.0.0.1:(this + i) (default: --port + 1)")
+    cluster.add_argument("--replica-startup-timeout", type=float, default=900.0, help="seconds")
+    cluster.add_argument("--served-model-name", default=None, help="the name clients send (default: the model's)")
+    cluster.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                         help="replicas compile the common step shapes before accepting requests")
+    cluster.add_argument("--uvicorn-log-level", default="info",
+                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_router_args(cluster)
+    cluster.set_defaults(func=cmd_cluster)
 
     args = parser.parse_args(argv)
     args.func(args)
