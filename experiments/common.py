@@ -1,0 +1,266 @@
+"""Shared helpers of the ablation experiments: traces, replaying them through the real engine (wall clock)
+or the simulator (virtual clock), latency statistics, step logs, timeline plots and report writing.
+
+Both replays return the same things, so every experiment measures the two worlds with one code path:
+- `Timing` per finished request: arrival, token times (first = TTFT), prompt/output length;
+- a `StepLog`: per step, its end time and `(request_id, new_tokens)` of each scheduled request.
+
+Wall-clock replay (`replay_engine`) adds each request when `time.monotonic()` passes its arrival,
+then steps. JIT compilation would stall the clock, so (1) `warm_engine` compiles the step buckets
+the trace needs first (found by replaying it in the simulator, as `paper_repro/radix_hit_rate.py`
+does), and (2) any step that still compiles is cut out of the clock: its duration is subtracted from
+every later timestamp and arrival (`Replay.compiles` counts them; normally 0).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # `python experiments/x.py` finds llmjax and paper_repro
+RESULTS = ROOT / "results"
+
+from llmjax.config import EngineConfig  # noqa: E402
+from llmjax.kv.manager import KVCacheManager  # noqa: E402
+from llmjax.sampling_params import SamplingParams  # noqa: E402
+from llmjax.sim import A100_40GB_OPT_13B, CostModel, Simulator, TraceRequest  # noqa: E402
+from paper_repro.traces import LengthDist, lognormal_lengths, poisson_arrivals, random_tokens  # noqa: E402
+
+# GPU-scale setting of the simulated runs: OPT-13B on an A100-40GB, 12 GiB of KV (PagedAttention §6).
+SIM_COST = A100_40GB_OPT_13B
+SIM_KV_BYTES = 12 << 30
+
+
+# --- traces ------------------------------------------------------------------------------------------
+def trace(dist: LengthDist, n: int, rate: float, seed: int, vocab: int, max_model_len: int,
+          max_prompt_len: int, name: str = "r") -> list[TraceRequest]:
+    """n requests, log-normal prompt/output lengths with `dist`'s means, Poisson arrivals at `rate`/s
+    (rate <= 0: all arrive at t=0)."""
+    rng = np.random.default_rng(seed)
+    prompts = lognormal_lengths(rng, n, dist.mean_prompt, dist.sigma_prompt, max_prompt_len)
+    outputs = lognormal_lengths(rng, n, dist.mean_output, dist.sigma_output, max_model_len - prompts)
+    arrivals = poisson_arrivals(rng, n, rate) if rate > 0 else np.zeros(n)
+    return [TraceRequest(f"{name}{i}", float(arrivals[i]), random_tokens(rng, int(prompts[i]), vocab),
+                         int(outputs[i])) for i in range(n)]
+
+
+# --- results of a replay ----------------------------------------------------------------------------
+@dataclass
+class Timing:
+    """One finished request, times relative to the replay's start (seconds)."""
+
+    request_id: str
+    arrival: float
+    token_times: list[float]
+    prompt_len: int
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.arrival
+
+    @property
+    def itls(self) -> np.ndarray:
+        return np.diff(self.token_times)
+
+    @property
+    def tpot(self) -> float:
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else float("nan")
+
+
+StepLog = list[tuple[float, list[tuple[str, int]]]]  # (step end time, [(request id, new tokens)])
+
+
+@dataclass
+class Replay:
+    timings: list[Timing]
+    steps: StepLog
+    duration: float
+    slots: int  # batch slots per step (batch_size or max_num_seqs), for the idle-slot share
+    compiles: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def stats(self) -> dict[str, float]:
+        """Throughput and latency percentiles (ms), and the share of batch slots idle while work is queued
+        or running (over steps: 1 - scheduled requests / slots)."""
+        ttft = np.array([t.ttft for t in self.timings])
+        itl = np.concatenate([t.itls for t in self.timings] or [np.zeros(0)])
+        tpot = np.array([t.tpot for t in self.timings if len(t.token_times) > 1])
+        tokens = sum(len(t.token_times) for t in self.timings)
+        used = np.array([len(s) for _, s in self.steps])
+        pct = lambda a, q: float(np.percentile(a, q) * 1e3) if len(a) else float("nan")  # noqa: E731
+        return {
+            "requests": len(self.timings), "tokens_per_s": tokens / self.duration,
+            "requests_per_s": len(self.timings) / self.duration, "duration_s": self.duration,
+            "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "ttft_mean_ms": float(ttft.mean() * 1e3),
+            "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
+            "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99), "itl_max_ms": pct(itl, 100),
+            "idle_slots": float(1 - used.mean() / self.slots) if len(used) else float("nan"),
+            "steps": len(self.steps),
+        }
+
+
+def slots_of(config: EngineConfig) -> int:
+    return config.max_num_seqs if config.scheduling_policy == "continuous" else config.batch_size
+
+
+# --- simulator ----------------------------------------------------------------------------------------
+def replay_sim(config: EngineConfig, requests: list[TraceRequest], cost: CostModel = SIM_COST,
+               kv_bytes: int = SIM_KV_BYTES, progress: str | None = None) -> Replay:
+    """Replay in `llmjax.sim` (the real scheduler and KV manager, `cost`'s step times, virtual clock)."""
+    num_blocks = kv_bytes // (config.block_size * cost.kv_bytes_per_token)
+    kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    steps: StepLog = []
+    log = lambda sim, out, dt: steps.append((sim.now, [(s.request.request_id, s.num_new_tokens)  # noqa: E731
+                                                       for s in out.scheduled]))
+    result = Simulator(config, kv, cost, [log]).run(requests, progress=progress)
+    timings = [Timing(r.request_id, r.arrival_time, list(r.token_times), len(r.prompt_token_ids))
+               for r in result.finished]
+    return Replay(timings, steps, result.duration, slots_of(config), extra={"preemptions": result.num_preemptions})
+
+
+# --- the real engine -----------------------------------------------------------------------------------
+_LOADED: dict = {}
+
+
+def make_engine(model: str | None, config: EngineConfig):
+    """An `LLMEngine` for `model` (None: the embedded SmolLM2; or a preset); weights load once per process,
+    compiled step buckets are shared by the engines of one process and cached on disk across runs."""
+    from llmjax.engine import LLMEngine
+    from llmjax.models.loader import load_model
+    from llmjax.runner import enable_compilation_cache
+    from llmjax.tokenizer import load_tokenizer
+
+    if model not in _LOADED:
+        enable_compilation_cache()  # JAX's persistent cache: a rerun compiles (almost) nothing
+        loaded = load_model(model)
+        _LOADED[model] = (loaded, load_tokenizer(loaded.source, loaded.config.eos_token_ids))
+    loaded, tokenizer = _LOADED[model]
+    return LLMEngine(loaded, tokenizer, config)
+
+
+def warm_engine(engine, requests: list[TraceRequest], full_pass: bool = True) -> None:
+    """Compile the (T, S, B, decode_only) buckets serving `requests` will use: the trace is replayed in the
+    simulator with its arrivals and all at t=0 (the wall-clock schedule lies between the two); with
+    `full_pass` the trace is then served once, untimed, to compile whatever else it touches (sampling)."""
+    runner, config = engine.runner, engine.config
+    shapes: set = set()
+
+    def observe(sim, out, dt):
+        blocks = max(engine.kv.num_blocks_for(s.start + s.num_new_tokens) for s in out.scheduled)
+        shapes.add((*runner.shapes_for(out.num_tokens, len(out.scheduled), blocks),
+                    out.num_decodes == len(out.scheduled)))
+
+    for reqs in (requests, [TraceRequest(r.request_id, 0.0, r.prompt, r.output_len) for r in requests]):
+        kv = KVCacheManager(engine.num_blocks, config.block_size, config.enable_prefix_caching)
+        Simulator(config, kv, SIM_COST, [observe]).run(reqs)
+    runner.warmup(sorted(shapes))
+    if full_pass:
+        replay_engine(engine, [TraceRequest("warm-" + r.request_id, r.arrival, r.prompt, r.output_len)
+                               for r in requests], progress="warm-up pass")
+    engine.kv.reset_prefix_cache()
+
+
+def replay_engine(engine, requests: list[TraceRequest], progress: str | None = None) -> Replay:
+    """Serve `requests` on the real engine against the wall clock (greedy, ignore_eos, each request's
+    drawn output length); see the module docstring for how compile stalls are removed."""
+    from tqdm import tqdm
+
+    pending = sorted(requests, key=lambda r: r.arrival)
+    sched = engine.scheduler
+    steps: StepLog = []
+    shifts: list[tuple[float, float]] = []  # (monotonic time a compiling step ended, its duration)
+    outputs = []
+    origin, stalled, i = time.monotonic(), 0.0, 0
+    bar = tqdm(total=len(requests), desc=progress, unit="req", disable=progress is None, leave=False)
+    while i < len(pending) or engine.has_unfinished_requests():
+        now = time.monotonic() - origin - stalled
+        while i < len(pending) and pending[i].arrival <= now:
+            r = pending[i]
+            engine.add_request(r.prompt, SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True),
+                               request_id=r.request_id, arrival_time=origin + stalled + r.arrival)
+            i += 1
+        sched.input_closed = i == len(pending)
+        if not engine.has_unfinished_requests():
+            time.sleep(min(0.002, max(0.0, pending[i].arrival - now)))
+            continue
+        compiles, t0 = engine.runner.num_compiles, time.monotonic()
+        scheduled = []
+        real_schedule = sched.schedule
+        def schedule():  # noqa: E306 - record what this step runs
+            out = real_schedule()
+            scheduled.extend((s.request.request_id, s.num_new_tokens) for s in out.scheduled)
+            return out
+        sched.schedule = schedule
+        try:
+            step_outputs = engine.step()
+        finally:
+            sched.schedule = real_schedule
+        t1 = time.monotonic()
+        if engine.runner.num_compiles != compiles:
+            shifts.append((t1, t1 - t0))
+            stalled += t1 - t0
+        if scheduled:
+            steps.append((t1 - origin - stalled, scheduled))
+        for out in step_outputs:
+            if out.finished:
+                outputs.append(out)
+                bar.update(1)
+    bar.close()
+    sched.input_closed = False
+
+    def rel(t: float) -> float:
+        return t - origin - sum(d for end, d in shifts if end <= t + 1e-9)
+
+    timings = [Timing(o.request_id, rel(o.arrival_time), [rel(t) for t in o.token_times], len(o.prompt_token_ids))
+               for o in outputs]
+    duration = max(t.token_times[-1] for t in timings)
+    return Replay(timings, steps, duration, slots_of(engine.config), compiles=len(shifts))
+
+
+# --- plots and reports -----------------------------------------------------------------------------------
+def plot_timeline(ax, replay: Replay, request_ids: list[str], title: str, t_max: float | None = None) -> None:
+    """Which of `request_ids` runs in which step: waiting (grey), prefill (orange), decode (blue) per step."""
+    arrival = {t.request_id: t.arrival for t in replay.timings}
+    prev = 0.0
+    spans: dict[str, list] = {r: [] for r in request_ids}
+    for end, sched in replay.steps:
+        for rid, n in sched:
+            if rid in spans:
+                spans[rid].append((prev, end - prev, n))
+        prev = end
+    for y, rid in enumerate(request_ids):
+        runs = spans[rid]
+        done = max((s + w for s, w, _ in runs), default=arrival.get(rid, 0.0))
+        ax.barh(y, done - arrival.get(rid, 0.0), left=arrival.get(rid, 0.0), color="0.88", height=0.8)
+        for kind, color in (("prefill", "tab:orange"), ("decode", "tab:blue")):
+            sel = [(s, w) for s, w, n in runs if (n > 1) == (kind == "prefill")]
+            ax.broken_barh(sel, (y - 0.4, 0.8), color=color, label=kind if y == 0 else None)
+    ax.set_yticks(range(len(request_ids)), request_ids, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=9)
+    if t_max:
+        ax.set_xlim(0, t_max)
+
+
+def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """Markdown table; columns: (key, header, format)."""
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",
+             "| " + " | ".join("---" if i == 0 else "---:" for i in range(len(columns))) + " |"]
+    for row in rows:
+        lines.append("| " + " | ".join(format(row[k], f) if f else str(row[k]) for k, _, f in columns) + " |")
+    return "\n".join(lines)
+
+
+def write_report(name: str, title: str, body: str, data: dict) -> None:
+    """Print `body`, write results/<name>.md (with links to its PNGs) and results/<name>.json."""
+    print(body)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.md").write_text(f"# {title}\n\n{body}\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2, default=float))

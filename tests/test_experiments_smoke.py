@@ -1,0 +1,42 @@
+"""Smoke tests of the ablation experiments' shared helpers, on the simulator only (no compilation; < 5 s)."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
+
+import attention_variants  # noqa: E402
+import batching  # noqa: E402
+import chunked_prefill  # noqa: E402
+from common import replay_sim, trace  # noqa: E402
+from llmjax.config import PRESETS  # noqa: E402
+
+
+@pytest.mark.parametrize("policy", batching.POLICIES)
+def test_replay_sim_every_policy_finishes_with_sane_stats(policy):
+    reqs = trace(batching.CPU_DIST, 40, 5.0, seed=0, vocab=50000, max_model_len=256, max_prompt_len=192)
+    replay = replay_sim(batching.configs(8, 256, 64, 0.1)[policy], reqs)
+    stats = replay.stats()
+    assert stats["requests"] == 40
+    assert all(len(t.token_times) == r.output_len for t, r in zip(sorted(replay.timings, key=lambda t: int(t.request_id[1:])), reqs))
+    assert 0 <= stats["idle_slots"] < 1 and stats["ttft_p50_ms"] > 0
+    assert all(len(s) <= 8 for _, s in replay.steps)
+
+
+def test_chunking_lowers_itl_and_raises_ttft_in_the_simulator():
+    reqs = chunked_prefill.workload(0, 50000, decodes=16, decode_out=200, longs=6, long_len=1800, rate=1.0, start=1.0)
+    rows = chunked_prefill.sweep(reqs, [256], 2048, 32, lambda cfg, label: replay_sim(cfg, reqs))
+    chunked, whole = rows
+    assert chunked["itl_p99_ms"] < whole["itl_p99_ms"]
+    assert chunked["ttft_mean_ms"] > whole["ttft_mean_ms"]
+
+
+def test_kv_formula_matches_config_and_capacity_scales():
+    for preset in attention_variants.VARIANTS.values():
+        cfg = PRESETS[preset]
+        assert attention_variants.formula(cfg)[1] * 4 == cfg.kv_bytes_per_token(4)
+    assert attention_variants.capacity(65, 16, 256) == 4  # 64 usable blocks of 16 tokens, 16 blocks a request
+    assert np.isfinite(attention_variants.windows(np.arange(1000), np.random.default_rng(0), 2, 8)).all()
