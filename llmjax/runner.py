@@ -5,6 +5,11 @@ Owns the KV cache arrays and the jitted step. The step is a pure function of
 place and no step copies the cache. Shapes are bucketed (powers of two) for tokens T, requests S
 and blocks per request B; `decode_only` and the logprob count are static. A counter in the traced
 body counts compilations: serving a workload twice compiles nothing the second time.
+
+Bucket floors keep the number of compiled steps small where padding is (nearly) free: attention's
+work follows the traced context lengths and request counts (loop bounds), not B or padded requests,
+so B starts at `MIN_BLOCK_TOKENS` tokens of table; and a mixed step pads S to at least
+T / `MIXED_TOKENS_PER_SEQ` (the padded rows cost only LM-head rows: < 4% of such a step).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from llmjax.step_input import StepInput
 
 MIN_TOKEN_BUCKET = 8
 MIN_BLOCK_BUCKET = 8
+MIN_BLOCK_TOKENS = 1024  # block tables are at least this many tokens wide (capped by max_model_len)
+MIXED_TOKENS_PER_SEQ = 8  # a mixed step (some request has > 1 token) has S >= T / 8
 
 
 def bucket(n: int, lo: int, hi: int) -> int:
@@ -123,10 +130,19 @@ class ModelRunner:
 
     # --- input building ------------------------------------------------------------------------
     def shapes_for(self, num_tokens: int, num_reqs: int, max_blocks: int) -> tuple[int, int, int]:
+        """Bucket (T, S, B) of a step of `num_tokens` tokens in `num_reqs` requests (mixed when
+        `num_tokens > num_reqs`), the longest block table `max_blocks` long."""
         t = bucket(num_tokens, MIN_TOKEN_BUCKET, max(self.config.max_num_batched_tokens, MIN_TOKEN_BUCKET))
-        s = bucket(num_reqs, 1, self.config.max_num_seqs)
-        b = bucket(max_blocks, MIN_BLOCK_BUCKET, self.max_blocks_per_seq)
+        s = bucket(num_reqs, self._min_seqs(t) if num_tokens > num_reqs else 1, self.config.max_num_seqs)
+        b = bucket(max_blocks, self._min_blocks(), self.max_blocks_per_seq)
         return t, s, b
+
+    def _min_seqs(self, t: int) -> int:
+        """The smallest S bucket of a mixed step of T = t."""
+        return max(1, t // MIXED_TOKENS_PER_SEQ)
+
+    def _min_blocks(self) -> int:
+        return max(MIN_BLOCK_BUCKET, MIN_BLOCK_TOKENS // self.block_size)
 
     def prepare(self, out: SchedulerOutput, block_tables: list[list[int]]) -> tuple[StepInput, SamplingInput, bool, int]:
         """Pad the scheduled batch into device arrays. Vectorised over tokens; loops over requests only."""
@@ -222,18 +238,32 @@ class ModelRunner:
         """The step of bucket (T, S, B) lowered for inspection (`.compile().as_text()` is its HLO); runs nothing."""
         return self._step_fn.lower(self.params, self.cache, *self.padding_inputs(t, s, b), decode_only, 0)
 
-    def warmup_shapes(self) -> list[tuple[int, int, int, bool]]:
-        """The common buckets: decode-only steps at each request-count bucket, and full-budget mixed steps."""
+    def warmup_shapes(self, max_context: int | None = None) -> list[tuple[int, int, int, bool]]:
+        """The common buckets for contexts up to `max_context` tokens (default: the smallest
+        block-table bucket, `MIN_BLOCK_TOKENS`; longer contexts compile on first use): for each
+        block-table bucket B, decode-only steps at each request-count bucket S, and mixed steps at
+        each token bucket T with the fewest requests such a step pads to and with the most (a busy
+        server). 20 shapes for T=512, S=64."""
         cfg = self.config
-        b = bucket(MIN_BLOCK_BUCKET, MIN_BLOCK_BUCKET, self.max_blocks_per_seq)
-        shapes = []
-        s = 1
-        while True:
-            t, s_, _ = self.shapes_for(s, s, b)
-            shapes.append((t, s_, b, True))
-            if s_ >= cfg.max_num_seqs:
-                break
-            s *= 2
-        t, s_, _ = self.shapes_for(cfg.max_num_batched_tokens, cfg.max_num_seqs, b)
-        shapes.append((t, s_, b, False))
-        return shapes
+        min_blocks = bucket(1, self._min_blocks(), self.max_blocks_per_seq)
+        max_blocks = min_blocks if max_context is None else -(-max_context // self.block_size)
+        seq_buckets = _powers(1, cfg.max_num_seqs)
+        token_buckets = _powers(MIN_TOKEN_BUCKET, max(cfg.max_num_batched_tokens, MIN_TOKEN_BUCKET))
+        shapes: list[tuple[int, int, int, bool]] = []
+        for b in _powers(min_blocks, bucket(max_blocks, min_blocks, self.max_blocks_per_seq)):
+            for s in seq_buckets:
+                t, s_, _ = self.shapes_for(s, s, b)
+                shapes.append((t, s_, b, True))
+            for t in token_buckets:
+                for n in (self._min_seqs(t), min(t - 1, cfg.max_num_seqs)):  # n < t: mixed
+                    t_, s_, _ = self.shapes_for(t, n, b)
+                    shapes.append((t_, s_, b, False))
+        return list(dict.fromkeys(shapes))
+
+
+def _powers(lo: int, hi: int) -> list[int]:
+    """The buckets `bucket` can return for lo..hi: lo, 2*lo, ... below hi, then hi."""
+    out = [min(lo, hi)]
+    while out[-1] < hi:
+        out.append(min(out[-1] * 2, hi))
+    return out

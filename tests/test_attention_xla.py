@@ -18,10 +18,14 @@ TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, at
 
 @pytest.fixture(params=["default_tiles", "small_tiles"])
 def tiles(request, monkeypatch):
-    """Also run with tiny query tiles and key chunks: many tiles per request, many chunks."""
+    """Also run with tiny query tiles, row groups and key chunks: many tiles per request,
+    many groups (the last one partial), groups stopping after different chunk counts."""
     if request.param == "small_tiles":
         monkeypatch.setattr(xla, "Q_TILE", 4)
+        monkeypatch.setattr(xla, "TILE_GROUP", 3)
         monkeypatch.setattr(xla, "KV_CHUNK", 16)
+        monkeypatch.setattr(xla, "DECODE_GROUP", 2)
+        monkeypatch.setattr(xla, "DECODE_KV_CHUNK", 16)
 
 
 def run_gqa(rng, batch, *, num_kv_heads, group, head_dim=16, dtype=jnp.float32,
@@ -48,6 +52,7 @@ def test_gqa_f32(rng, kind, group):
     assert_close(out, ref, batch, **TOL[jnp.float32])
 
 
+@pytest.mark.usefixtures("tiles")
 @pytest.mark.parametrize("group", [1, 3])
 def test_gqa_decode_only(rng, group):
     batch = make_batch(rng, "decode", num_padded=2)

@@ -1,24 +1,34 @@
 """Pure-JAX attention over the paged KV cache: the CPU default and the kernels' oracle.
 
 Both functions follow the contract in docs/architecture.md ("Attention over the paged
-cache"). Design: every query row carries its request index and its position; keys are
-visited in chunks of whole cache blocks (about `KV_CHUNK` tokens) with an online
-softmax, inside a `lax.fori_loop` whose trip count is the longest context among the
-rows (a traced value, so short batches do not pay for the static block-table width).
+cache"). Design: every query row carries its request index and its position. Rows are
+visited in groups, in a `lax.fori_loop` that stops after the last real row, so padding
+rows (padded requests, unused tiles) cost nothing; within a group, keys are visited in
+chunks of whole cache blocks with an online softmax, in an inner `lax.fori_loop` whose
+trip count is the group's longest context (so short batches do not pay for the static
+block-table width, and a long prompt's early tiles stop early: causal work skipping at
+group granularity).
 
 - Decode rows: one row per request `i`, the token at `query_start_loc[i]`; used for
-  requests `i < num_decodes` (every request when `decode_only`).
+  requests `i < num_decodes` (every request when `decode_only`). Groups of
+  `DECODE_GROUP` rows, chunks of `DECODE_KV_CHUNK` keys: a group's gathered chunk
+  (`DECODE_GROUP * DECODE_KV_CHUNK * Hkv * D` of K and of V) stays in the CPU caches
+  between the gather and its use; on CPU the decode pass is bound by that gather.
 - Prefill rows: the new tokens of requests `i >= num_decodes`, cut into query tiles of
-  `q_tile = min(Q_TILE, T)` tokens; at most `N = min(T, (T + min(S, T) * (q_tile - 1)) // q_tile)`
-  tiles (each tile holds >= 1 token and each request wastes < 1 tile). Skipped when
+  `q_tile = min(Q_TILE, T)` tokens, `TILE_GROUP` tiles per group, chunks of `KV_CHUNK`
+  keys. The static tile arrays hold the worst case
+  `N = min(T, (T + min(S, T) * (q_tile - 1)) // q_tile)` tiles (each tile holds >= 1
+  token and each request wastes < 1 tile); only the real ones are visited. Skipped when
   `decode_only`.
 
-Cost per call, with `K` = the longest context among the rows rounded up to a chunk:
-- decode: reads `S * K * Hkv * D` of K and of V once (one gather per chunk), `4*S*H*K*D` FLOPs;
-- prefill: each tile gathers its request's context, so a request's K/V are read
-  `ceil(q_len / q_tile)` times; `4 * N * q_tile * H * K * D` FLOPs;
-- live memory per chunk step: `N * KV_CHUNK * Hkv * D` for K and V plus
-  `N * H * q_tile * KV_CHUNK` f32 scores. Nothing is ever copied per token, and the
+Cost per call, with `K` = a group's longest context rounded up to a chunk:
+- decode: reads `K * Hkv * D` of K and of V per real decode row (one gather per chunk),
+  `4*H*K*D` FLOPs per row;
+- prefill: each tile gathers its request's context up to its group's last position, so
+  a request's K/V are read about `ceil(q_len / q_tile)` times; `4 * q_tile * H * K * D`
+  FLOPs per tile;
+- live memory per chunk step: `group * chunk * Hkv * D` for K and V plus
+  `group * H * q_tile * chunk` f32 scores. Nothing is ever copied per token, and the
   cache is indexed as `cache[layer, block_ids]` in one gather (no per-layer copy).
 
 Scores and softmax are float32 whatever the input dtype; the output has q's dtype.
@@ -35,7 +45,10 @@ import jax.numpy as jnp
 from jax import lax
 
 Q_TILE = 32  # prefill query tokens per tile
-KV_CHUNK = 256  # keys per online-softmax step, rounded to whole blocks
+TILE_GROUP = 4  # prefill tiles per group (one outer-loop step)
+KV_CHUNK = 128  # keys per online-softmax step of the prefill tiles, rounded to whole blocks
+DECODE_GROUP = 8  # decode rows per group
+DECODE_KV_CHUNK = 256  # keys per online-softmax step of the decode rows
 _NEG = -1e30  # finite "minus infinity" for the running max: fully masked rows stay finite
 _HI = lax.Precision.HIGHEST
 
@@ -102,23 +115,28 @@ def _ragged_attention(q_parts, load: Loader, num_kv_heads, block_size, out_dim,
         is_decode &= seq_ids < num_decodes
     tok = jnp.where(is_decode, starts, num_tokens)[:, None]  # [S, 1]; T = dropped
     pos = jnp.where(is_decode, seq_lens - 1, -1)[:, None]
+    last = jnp.max(jnp.where(is_decode, seq_ids + 1, 0))  # rows past the last decode: skipped
     out = _attend_rows(out, q_parts, load, num_kv_heads, block_size, seq_ids, tok, pos,
-                       seq_lens, block_tables, sm_scale)
+                       seq_lens, block_tables, sm_scale, num_rows=last,
+                       group_rows=DECODE_GROUP, kv_chunk=DECODE_KV_CHUNK)
     if decode_only:
         return out
 
     q_tile = min(Q_TILE, num_tokens)
-    req, tok, pos = _prefill_tiles(starts, jnp.where(is_decode, 0, q_lens), seq_lens,
-                                   num_tokens, q_tile)
+    prefill_lens = jnp.where(is_decode, 0, q_lens)
+    req, tok, pos = _prefill_tiles(starts, prefill_lens, seq_lens, num_tokens, q_tile)
+    num_tiles = jnp.sum(-(-prefill_lens // q_tile))  # the real tiles come first
     return _attend_rows(out, q_parts, load, num_kv_heads, block_size, req, tok, pos,
-                        seq_lens, block_tables, sm_scale)
+                        seq_lens, block_tables, sm_scale, num_rows=num_tiles,
+                        group_rows=TILE_GROUP, kv_chunk=KV_CHUNK)
 
 
 def _prefill_tiles(starts, q_lens, seq_lens, num_tokens, q_tile):
     """Cut each request's `q_lens[i]` tokens into tiles of `q_tile`.
 
     Returns req [N], tok [N, q_tile] (flat token index, `num_tokens` where unused) and
-    pos [N, q_tile] (query position, -1 where unused); N is the static bound above.
+    pos [N, q_tile] (query position, -1 where unused); N is the static bound above, and
+    the `sum(ceil(q_lens / q_tile))` real tiles come first.
     """
     num_seqs = starts.shape[0]
     max_tiles = min(num_tokens,
@@ -136,49 +154,62 @@ def _prefill_tiles(starts, q_lens, seq_lens, num_tokens, q_tile):
 
 
 def _attend_rows(out, q_parts, load: Loader, num_kv_heads, block_size, req, tok, pos,
-                 seq_lens, block_tables, sm_scale):
+                 seq_lens, block_tables, sm_scale, *, num_rows, group_rows, kv_chunk):
     """Rows (req [N], tok [N, Q], pos [N, Q]) attend to keys at positions <= pos.
 
-    Online softmax over chunks of whole blocks; the result is scattered into `out` at
-    `tok` (out-of-range `tok` rows are dropped).
+    Only rows [0, num_rows) (a traced count) are visited, `group_rows` at a time; each
+    group runs an online softmax over chunks of about `kv_chunk` keys (whole blocks) up
+    to its own longest context, and scatters its result into `out` at `tok`
+    (out-of-range `tok` rows are dropped).
     """
     num_tokens, num_heads = q_parts[0].shape[:2]
     n, q_len = tok.shape
     group = num_heads // num_kv_heads
+    rows = min(group_rows, n)
+    padded = -(-n // rows) * rows
+    req = jnp.pad(req, (0, padded - n))
+    tok = jnp.pad(tok, ((0, padded - n), (0, 0)), constant_values=num_tokens)
+    pos = jnp.pad(pos, ((0, padded - n), (0, 0)), constant_values=-1)
     max_blocks = block_tables.shape[1]
-    chunk_blocks = max(1, min(max_blocks, KV_CHUNK // block_size))
+    chunk_blocks = max(1, min(max_blocks, kv_chunk // block_size))
     num_chunks = -(-max_blocks // chunk_blocks)
     chunk = chunk_blocks * block_size
+    tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks * chunk_blocks - max_blocks)))
 
-    tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks * chunk_blocks - max_blocks)))[req]
-    kv_lens = seq_lens[req]  # [N]
-    qs = [x[jnp.clip(tok, 0, num_tokens - 1)].astype(jnp.float32)
-          .reshape(n, q_len, num_kv_heads, group, x.shape[-1]) for x in q_parts]
+    def attend_group(g, out):
+        g_req = lax.dynamic_slice_in_dim(req, g * rows, rows)
+        g_tok = lax.dynamic_slice_in_dim(tok, g * rows, rows)
+        g_pos = lax.dynamic_slice_in_dim(pos, g * rows, rows)
+        g_tables = tables[g_req]
+        kv_lens = seq_lens[g_req]  # [rows]
+        qs = [x[jnp.clip(g_tok, 0, num_tokens - 1)].astype(jnp.float32)
+              .reshape(rows, q_len, num_kv_heads, group, x.shape[-1]) for x in q_parts]
 
-    def step(c, carry):
-        m, l, acc = carry  # [N, Hkv, G, Q], [N, Hkv, G, Q], [N, Hkv, G, Q, Dv]
-        ids = lax.dynamic_slice_in_dim(tables, c * chunk_blocks, chunk_blocks, axis=1)
-        keys, v = load(ids)
-        kpos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        s = sum(_qk(qp, kp.astype(jnp.float32)) for qp, kp in zip(qs, keys)) * sm_scale
-        visible = kpos[None, None, :] <= pos[:, :, None]  # [N, Q, C]
-        s = jnp.where(visible[:, None, None], s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[..., None])
-        in_ctx = (kpos[None, :] < kv_lens[:, None])[:, :, None, None]  # [N, C, 1, 1]
-        v = jnp.where(in_ctx, v.astype(jnp.float32), 0.0)
-        pv = _pv(p, v)
-        return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+        def step(c, carry):
+            m, l, acc = carry  # [R, Hkv, G, Q], [R, Hkv, G, Q], [R, Hkv, G, Q, Dv]
+            ids = lax.dynamic_slice_in_dim(g_tables, c * chunk_blocks, chunk_blocks, axis=1)
+            keys, v = load(ids)
+            kpos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+            s = sum(_qk(qp, kp.astype(jnp.float32)) for qp, kp in zip(qs, keys)) * sm_scale
+            visible = kpos[None, None, :] <= g_pos[:, :, None]  # [R, Q, C]
+            s = jnp.where(visible[:, None, None], s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(-1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[..., None])
+            in_ctx = (kpos[None, :] < kv_lens[:, None])[:, :, None, None]  # [R, C, 1, 1]
+            v = jnp.where(in_ctx, v.astype(jnp.float32), 0.0)
+            return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + _pv(p, v)
 
-    shape = (n, num_kv_heads, group, q_len)
-    init = (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros((*shape, out.shape[-1]), jnp.float32))
-    trips = -(-(jnp.max(pos) + 1) // chunk)
-    _, l, acc = lax.fori_loop(0, trips, step, init)
-    res = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # [N, Hkv, G, Q, Dv]
-    res = res.transpose(0, 3, 1, 2, 4).reshape(n * q_len, num_heads, -1)
-    return out.at[tok.reshape(-1)].set(res.astype(out.dtype), mode="drop")
+        shape = (rows, num_kv_heads, group, q_len)
+        init = (jnp.full(shape, _NEG, jnp.float32), jnp.zeros(shape, jnp.float32),
+                jnp.zeros((*shape, out.shape[-1]), jnp.float32))
+        trips = -(-(jnp.max(g_pos) + 1) // chunk)
+        _, l, acc = lax.fori_loop(0, trips, step, init)
+        res = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # [R, Hkv, G, Q, Dv]
+        res = res.transpose(0, 3, 1, 2, 4).reshape(rows * q_len, num_heads, -1)
+        return out.at[g_tok.reshape(-1)].set(res.astype(out.dtype), mode="drop")
+
+    return lax.fori_loop(0, -(-num_rows // rows), attend_group, out)
 
 
 def _qk(q, k):

@@ -1,0 +1,181 @@
+"""Per-step device time of the engine's jitted step on representative batches, and attention's share.
+
+Builds the engine (embedded SmolLM2-135M; T=512, S=64, max_model_len 1024, 1 GiB of KV), makes
+realistic `StepInput`s (distinct block tables, real positions and slots, greedy sampling) and runs
+them through `engine.runner._step`, next to the same step with other attention implementations:
+
+- `engine`: the step as the engine runs it (the configured attention backend);
+- `baseline`: the same step with `llmjax/attention/xla.py` taken from a git revision
+  (`--baseline-ref`, e.g. the commit before an attention change);
+- `no attention`: attention replaced by a zero-cost stub (returns q): the rest of the step.
+
+Every variant is compiled first, then the variants run in alternation (`--repeats` rounds) so a
+shared, noisy CPU slows them alike; the table gives medians of wall time and of process CPU time
+(on a busy machine CPU time is the steadier of the two). Attention's share is
+(engine - no attention) / engine.
+
+    python experiments/step_profile.py [--baseline-ref REV] [--cases decode,mixed,prefill]
+                                       [--repeats 5] [--out results/step_profile.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_step(q_lens, contexts, t, s, b, block_size, num_blocks, rng):
+    """A StepInput of bucket (t, s, b): request i computes its last q_lens[i] tokens of contexts[i]."""
+    from llmjax.step_input import StepInput
+
+    q_lens, contexts = np.asarray(q_lens, np.int32), np.asarray(contexts, np.int32)
+    n, total = len(q_lens), int(q_lens.sum())
+    qsl = np.full(s + 1, total, np.int32)
+    qsl[0] = 0
+    np.cumsum(q_lens, out=qsl[1 : n + 1])
+    seq_lens = np.zeros(s, np.int32)
+    seq_lens[:n] = contexts
+    tables = np.zeros((s, b), np.int32)
+    first = 1
+    for i in range(n):  # distinct blocks per request (wrapping around a small pool)
+        k = -(-int(contexts[i]) // block_size)
+        tables[i, :k] = (np.arange(first, first + k) - 1) % (num_blocks - 1) + 1
+        first += k
+    req = np.repeat(np.arange(n), q_lens)
+    positions = np.zeros(t, np.int32)
+    positions[:total] = (contexts - q_lens)[req] + np.arange(total) - qsl[req]
+    slots = np.zeros(t, np.int32)
+    slots[:total] = tables[req, positions[:total] // block_size] * block_size + positions[:total] % block_size
+    tokens = np.zeros(t, np.int32)
+    tokens[:total] = rng.integers(100, 49152, total)
+    logits_idx = np.zeros(s, np.int32)
+    logits_idx[:n] = qsl[1 : n + 1] - 1
+    num_decodes = int(np.argmax(q_lens != 1)) if (q_lens != 1).any() else n
+    return StepInput(tokens, positions, slots, qsl, seq_lens, tables, logits_idx, np.int32(num_decodes))
+
+
+def cases(rng):
+    """name -> (description, q_lens, contexts); decodes first, then prefill chunks."""
+    dec_ctx = rng.integers(380, 421, 64)
+    return {
+        "decode": ("decode-only: 64 requests, contexts 380-420", [1] * 64, dec_ctx),
+        "mixed": ("mixed: 63 decodes (ctx 380-420) + one 449-token prompt", [1] * 63 + [449],
+                  list(dec_ctx[:63]) + [449]),
+        "prefill": ("prefill-only: one 512-token prompt", [512], [512]),
+        "prefill16": ("prefill-only: 16 prompts of 32 tokens", [32] * 16, [32] * 16),
+        "mixed-few": ("mixed: 4 decodes (ctx ~400) + 8 prompts of 60", [1] * 4 + [60] * 8,
+                      list(dec_ctx[:4]) + [60] * 8),
+    }
+
+
+def load_attention_from_git(ref: str):
+    """`llmjax/attention/xla.py` as of git revision `ref`, imported as a standalone module."""
+    src = subprocess.run(["git", "show", f"{ref}:llmjax/attention/xla.py"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "baseline_xla.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("baseline_xla", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline-ref", default=None, help="git revision whose attention/xla.py is the baseline")
+    parser.add_argument("--cases", default="decode,mixed,prefill")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=None, help="also write the markdown table here")
+    args = parser.parse_args()
+
+    import jax
+
+    from llmjax import runner as runner_mod
+    from llmjax.attention.backend import AttentionBackend
+    from llmjax.config import EngineConfig
+    from llmjax.engine import LLMEngine
+
+    config = EngineConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=1024,
+                          kv_cache_memory_bytes=1 << 30)
+    engine = LLMEngine.from_config(None, config)
+    runner = engine.runner
+    bs = config.block_size
+
+    def step_fn(backend):
+        fn, _ = runner_mod._make_step_function(runner.graphdef, backend, bs, runner.layout)
+        return fn
+
+    variants = {"engine": runner._step_fn}
+    if args.baseline_ref:
+        old = load_attention_from_git(args.baseline_ref)
+        variants["baseline"] = step_fn(AttentionBackend(f"xla@{args.baseline_ref}", old.ragged_paged_attention,
+                                                        old.mla_ragged_paged_attention))
+    stub = AttentionBackend("stub", lambda q, *a, **k: q, lambda q, *a, **k: q)
+    variants["no attention"] = step_fn(stub)
+
+    rng = np.random.default_rng(0)
+    all_cases = cases(rng)
+    rows = []
+    for name in args.cases.split(","):
+        desc, q_lens, contexts = all_cases[name]
+        t, s, b = runner.shapes_for(sum(q_lens), len(q_lens), -(-max(contexts) // bs))
+        step = make_step(q_lens, contexts, t, s, b, bs, engine.num_blocks, rng)
+        decode_only = int(step.num_decodes) == len(q_lens)
+        _, sampling = runner.padding_inputs(t, s, b)  # greedy
+
+        def run(fn):
+            out, runner.cache = fn(runner.params, runner.cache, step, sampling, decode_only, 0)
+            jax.block_until_ready(out)
+
+        compile_s = {}
+        for v, fn in variants.items():
+            t0 = time.perf_counter()
+            run(fn)
+            compile_s[v] = time.perf_counter() - t0
+        wall = {v: [] for v in variants}
+        cpu = {v: [] for v in variants}
+        for _ in range(args.repeats):
+            for v, fn in variants.items():
+                w0, c0 = time.perf_counter(), time.process_time()
+                run(fn)
+                wall[v].append(time.perf_counter() - w0)
+                cpu[v].append(time.process_time() - c0)
+        med = {v: (statistics.median(wall[v]), statistics.median(cpu[v])) for v in variants}
+        rows.append((name, desc, (t, s, b, decode_only), med, compile_s))
+        print(f"{name}: " + "  ".join(f"{v} {w:.3f}s wall / {c:.3f}s cpu" for v, (w, c) in med.items()),
+              flush=True)
+
+    names = list(variants)
+    head = "| step | bucket (T, S, B, decode-only) | " + " | ".join(f"{v} wall / cpu (s)" for v in names)
+    head += " | attention share (cpu) |"
+    if "baseline" in variants:
+        head += " baseline / engine (cpu) |"
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for name, desc, bucket, med, _ in rows:
+        cells = [f"{med[v][0]:.3f} / {med[v][1]:.3f}" for v in names]
+        share = (med["engine"][1] - med["no attention"][1]) / med["engine"][1]
+        line = f"| {desc} | {bucket} | " + " | ".join(cells) + f" | {share:.0%} |"
+        if "baseline" in variants:
+            line += f" {med['baseline'][1] / med['engine'][1]:.2f}x |"
+        lines.append(line)
+    table = "\n".join(lines)
+    note = (f"\nMedians of {args.repeats} alternating runs per variant; jax {jax.__version__}, "
+            f"{jax.devices()[0].platform}, backend {runner.backend.name}"
+            + (f", baseline attention from {args.baseline_ref}" if args.baseline_ref else "") + ".")
+    print("\n" + table + note)
+    if args.out:
+        Path(args.out).write_text(f"# Step profile\n\nCommand: `python {' '.join(sys.argv)}`\n\n{table}\n{note}\n")
+
+
+if __name__ == "__main__":
+    main()
