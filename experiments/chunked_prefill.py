@@ -99,7 +99,7 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     sim_budgets = [int(b) for b in args.sim_budgets.split(",")]
 
-    cpu_trace = workload(args.seed, 512, decodes=16, decode_out=160, longs=8, long_len=1000, rate=4.0, start=0.3)
+    cpu_trace = workload(args.seed, 512, decodes=16, decode_out=700, longs=8, long_len=250, rate=8.0, start=0.1)
 
     def run_cpu(cfg, label):
         engine = make_engine("tiny-gqa", cfg.replace(kv_cache_memory_bytes=64 << 20))
@@ -119,8 +119,8 @@ def main() -> None:
     lo, nc = sim[0], sim[-1]
     body = "\n".join([
         "![TTFT vs p99 ITL](chunked_prefill.png)", "",
-        "## Real engine on this CPU: tiny-gqa, 16 running decodes (160 tokens each) and 8 prompts of 1000 "
-        "tokens arriving at 4/s", "",
+        "## Real engine on this CPU: tiny-gqa, 16 running decodes (700 tokens each) and 8 prompts of 250 "
+        "tokens arriving at 8/s", "",
         table(cpu, COLUMNS), "",
         "## Simulated A100-40GB + OPT-13B: 48 running decodes (600 tokens) and 30 prompts of 1800 tokens at 1/s", "",
         table(sim, COLUMNS), "",
