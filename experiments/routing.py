@@ -63,11 +63,11 @@ from llmjax.bench import percentiles, run_jobs, summarize
 from llmjax.config import PRESETS, EngineConfig
 from llmjax.kv import KVCacheManager
 from llmjax.kv.sizing import kv_bytes_per_token_gqa, kv_bytes_per_token_mla
-from llmjax.request import Request, RequestStatus
+from llmjax.request import Request
 from llmjax.sampling_params import SamplingParams
 from llmjax.serve import routing
 from llmjax.serve.metrics import parse_metrics
-from llmjax.sim import DUMMY_TOKEN, Simulator, TraceRequest
+from llmjax.sim import Simulator, TraceRequest, complete_step
 
 from common import RESULTS, SIM_COST, SIM_KV_BYTES, table, write_report  # experiments/common.py
 
@@ -273,18 +273,7 @@ class SimReplica:
                     continue
                 break  # nothing admissible now (the drain then leaves it unfinished, and the check fails)
             sim.now += sim.cost.step_time(out)
-            sched.after_step(out)
-            for s in out.scheduled:
-                request = s.request
-                if not s.samples:
-                    continue
-                request.output_token_ids.append(DUMMY_TOKEN)
-                request.token_times.append(sim.now)
-                if request.first_token_time is None:
-                    request.first_token_time = sim.now
-                if len(request.output_token_ids) >= self.targets[request.request_id]:
-                    sched.finish(request, RequestStatus.FINISHED_LENGTH)
-                    self.finished.append(request)
+            self.finished.extend(complete_step(sched, out, sim.now, self.targets))
         if math.isfinite(until):
             sim.now = max(sim.now, until)  # idle until then
 

@@ -158,19 +158,9 @@ class Simulator:
                 continue
             dt = self.cost.step_time(out)
             self.now += dt
-            sched.after_step(out)
-            for s in out.scheduled:
-                request = s.request
-                if not s.samples:
-                    continue
-                request.output_token_ids.append(DUMMY_TOKEN)
-                request.token_times.append(self.now)
-                if request.first_token_time is None:
-                    request.first_token_time = self.now
-                if len(request.output_token_ids) >= targets[request.request_id]:
-                    sched.finish(request, RequestStatus.FINISHED_LENGTH)
-                    finished.append(request)
-                    bar.update(1)
+            done = complete_step(sched, out, self.now, targets)
+            finished.extend(done)
+            bar.update(len(done))
             steps += 1
             for observe in self.observers:
                 observe(self, out, dt)
@@ -190,6 +180,26 @@ class Simulator:
             raise RuntimeError(f"stuck at t={self.now:.3f}: {len(waiting)} requests wait, none can be scheduled "
                                "and no arrival is due (a request larger than the KV pool?)")
         return min(times)
+
+
+def complete_step(sched: Scheduler, out: SchedulerOutput, now: float, targets: dict[str, int]) -> list[Request]:
+    """What the engine does after a forward, with dummy tokens: `after_step`, one token (stamped `now`)
+    for each request that samples, and `finish` for those that reached their `targets` length.
+    Returns the requests finished by this step."""
+    sched.after_step(out)
+    finished = []
+    for s in out.scheduled:
+        request = s.request
+        if not s.samples:
+            continue
+        request.output_token_ids.append(DUMMY_TOKEN)
+        request.token_times.append(now)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if len(request.output_token_ids) >= targets[request.request_id]:
+            sched.finish(request, RequestStatus.FINISHED_LENGTH)
+            finished.append(request)
+    return finished
 
 
 def _request(t: TraceRequest) -> Request:
