@@ -8,11 +8,13 @@ For each preset (`tiny-mha`, `tiny-gqa`, `tiny-mqa`, `tiny-mla`; 8 query heads o
    budget (allocating each request's whole length, i.e. the concurrency it can sustain to the end).
 3. Decode throughput on this CPU at that batch (capped at `--max-batch`): that many requests prefill, then
    decode `--decode-tokens` tokens; output tokens/s over the decode-only steps, after a warm-up.
-4. Quality: each variant trained from the same seed on the same byte-level corpus (the Python standard
-   library's source, bytes as token ids < 512), same batches in the same order, AdamW; validation loss and
-   perplexity on held-out files, and the loss curves.
+4. Quality: each variant trained on the same byte-level corpus (the Python standard library's source,
+   bytes as token ids < 512), once per seed in `--seeds` (a seed fixes the initialisation and the batch
+   order, identical across variants), AdamW; validation loss and perplexity on held-out files (the
+   same validation batches for every run): the mean over seeds and its spread (max - min), and the
+   loss curves of the first seed.
 
-    python experiments/attention_variants.py [--train-steps 120] [--kv-budget-mib 16]
+    python experiments/attention_variants.py [--train-steps 300] [--seeds 0,1] [--kv-budget-mib 16]
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from llmjax.sampling_params import SamplingParams  # noqa: E402
 
 VARIANTS = {"MHA": "tiny-mha", "GQA": "tiny-gqa", "MQA": "tiny-mqa", "MLA": "tiny-mla"}
 DTYPE_BYTES = 4  # float32 on CPU
+VALIDATION_SEED = 12345  # the validation windows, the same for every variant and seed
 
 
 def formula(cfg: ModelConfig) -> tuple[str, int]:
@@ -117,7 +120,7 @@ def train(preset: str, train_ids, val_ids, steps: int, batch: int, seq: int, see
 
     eval_loss = jax.jit(loss_fn)
     rng = np.random.default_rng(seed)  # the same batches for every variant
-    val_rng = np.random.default_rng(seed + 1)
+    val_rng = np.random.default_rng(VALIDATION_SEED)
     val_batches = [windows(val_ids, val_rng, batch, seq) for _ in range(8)]
     curve, val_curve = [], []
     for i in tqdm(range(steps), desc=f"train {preset}", unit="step", leave=False):
@@ -126,6 +129,26 @@ def train(preset: str, train_ids, val_ids, steps: int, batch: int, seq: int, see
         if (i + 1) % max(steps // 10, 1) == 0 or i + 1 == steps:
             val_curve.append((i + 1, float(np.mean([eval_loss(params, jnp.asarray(b)) for b in val_batches]))))
     return {"train": curve, "val": val_curve, "val_loss": val_curve[-1][1], "tokens": steps * batch * seq}
+
+
+def quality_verdict(rows: list[dict]) -> str:
+    """The loss differences to MHA, set against the seed spread, and whether the papers' ordering holds."""
+    loss = {r["variant"]: r["val_loss"] for r in rows}
+    noise = max(r["val_spread"] for r in rows)
+    diffs = ", ".join(f"{v} {loss[v] - loss['MHA']:+.3f}" for v in ("GQA", "MQA", "MLA"))
+
+    def claim(text: str, holds: bool, margin: float) -> str:
+        strength = "beyond" if abs(margin) > noise else "within"
+        return f"{text}: {'yes' if holds else 'no'} ({strength} the seed spread)"
+
+    checks = [
+        claim("GQA within 0.02 of MHA (GQA paper: close to MHA)", abs(loss["GQA"] - loss["MHA"]) <= 0.02,
+              loss["GQA"] - loss["MHA"]),
+        claim("MQA worse than GQA (GQA paper: MQA a little worse)", loss["MQA"] > loss["GQA"], loss["MQA"] - loss["GQA"]),
+        claim("MLA at least as good as MHA (DeepSeek-V2)", loss["MLA"] <= loss["MHA"], loss["MLA"] - loss["MHA"]),
+    ]
+    return (f"Quality against MHA (val loss difference, nats/byte): {diffs}; largest seed spread {noise:.3f}. "
+            "Does ours agree with the papers? " + "; ".join(checks) + ".")
 
 
 def windows(ids: np.ndarray, rng: np.random.Generator, batch: int, seq: int) -> np.ndarray:
@@ -147,11 +170,14 @@ def plot(rows: list[dict], runs: dict[str, dict], path) -> None:
     ax.bar(names, [r["decode_tok_s"] for r in rows], color="tab:green")
     ax.set_ylabel("decode tokens/s on this CPU"), ax.set_title("decode throughput at the batch the budget admits")
     ax = axes[2]
-    for name, run in runs.items():
+    for row, (name, seed_runs) in zip(rows, runs.items()):
+        run = seed_runs[0]
         train_curve = np.convolve(run["train"], np.ones(20) / 20, mode="valid")
         line, = ax.plot(np.arange(len(train_curve)) + 20, train_curve, alpha=0.5, lw=1)
-        ax.plot(*zip(*run["val"]), "o-", color=line.get_color(), label=f"{name} val {run['val_loss']:.3f}")
-    ax.set_xlabel("training step"), ax.set_ylabel("loss (nats/byte)"), ax.set_title("train (faint) and validation loss")
+        ax.plot(*zip(*run["val"]), "o-", color=line.get_color(),
+                label=f"{name} val {row['val_loss']:.3f} (mean of {len(seed_runs)} seeds)")
+    ax.set_xlabel("training step"), ax.set_ylabel("loss (nats/byte)")
+    ax.set_title("train (faint) and validation loss, first seed")
     ax.legend(fontsize=8)
     ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
     fig.tight_layout()
@@ -163,17 +189,17 @@ def main() -> None:
     ap.add_argument("--kv-budget-mib", type=float, default=16)
     ap.add_argument("--request-len", type=int, default=256)
     ap.add_argument("--max-batch", type=int, default=64)
-    ap.add_argument("--decode-tokens", type=int, default=24)
-    ap.add_argument("--train-steps", type=int, default=120)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--train-steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--seeds", default="0,1", help="comma-separated training seeds")
     args = ap.parse_args()
 
     budget = int(args.kv_budget_mib * (1 << 20))
     train_ids, val_ids = corpus(4 << 20)
     rows, runs = [], {}
-    for name, preset in VARIANTS.items():
+    for name, preset in tqdm(VARIANTS.items(), desc="KV size, capacity, decode", unit="variant"):
         cfg = PRESETS[preset]
         text, elems = formula(cfg)
         engine = make_engine(preset, EngineConfig(kv_cache_memory_bytes=budget, max_model_len=args.request_len,
@@ -185,13 +211,20 @@ def main() -> None:
         cap = capacity(engine.num_blocks, engine.config.block_size, args.request_len)
         batch = min(cap, args.max_batch)
         tok_s = decode_throughput(engine, batch, args.request_len // 2, args.decode_tokens)
-        runs[name] = train(preset, train_ids, val_ids, args.train_steps, args.batch, args.seq, args.seed)
         rows.append({"variant": name, "heads": f"{cfg.num_heads}/{cfg.num_kv_heads if cfg.attention == 'gqa' else '-'}",
                      "formula": text, "elements": elems, "formula_bytes": elems * DTYPE_BYTES,
                      "config_bytes": cfg.kv_bytes_per_token(DTYPE_BYTES), "allocated": allocated, "capacity": cap,
-                     "batch": batch, "decode_tok_s": tok_s, "val_loss": runs[name]["val_loss"],
-                     "ppl": float(np.exp(runs[name]["val_loss"])),
+                     "batch": batch, "decode_tok_s": tok_s,
                      "params_m": sum(x.size for x in __import__("jax").tree.leaves(engine.runner.params)) / 1e6})
+        del engine
+    # Training after every timing, so the decode measurements never share the CPU with it.
+    seeds = [int(s) for s in args.seeds.split(",")]
+    for name, row in zip(VARIANTS, rows):
+        runs[name] = [train(VARIANTS[name], train_ids, val_ids, args.train_steps, args.batch, args.seq, seed)
+                      for seed in seeds]
+        losses = [run["val_loss"] for run in runs[name]]
+        row["val_loss"], row["val_spread"] = float(np.mean(losses)), float(np.ptp(losses))
+        row["ppl"] = float(np.exp(row["val_loss"]))
     mha = rows[0]
     for r in rows:
         r["vs_mha"] = r["allocated"] / mha["allocated"]
@@ -201,8 +234,9 @@ def main() -> None:
                ("formula", "KV elements/token", ""), ("formula_bytes", "formula bytes", "d"),
                ("allocated", "allocated bytes", ".0f"), ("vs_mha", "vs MHA", ".3f"),
                ("capacity", f"requests in {args.kv_budget_mib:g} MiB", "d"), ("batch", "batch run", "d"),
-               ("decode_tok_s", "decode tok/s", ".0f"), ("val_loss", "val loss", ".3f"), ("ppl", "val ppl", ".2f")]
-    tokens = runs["MHA"]["tokens"]
+               ("decode_tok_s", "decode tok/s", ".0f"), ("val_loss", "val loss", ".3f"),
+               ("val_spread", "seed spread", ".3f"), ("ppl", "val ppl", ".2f")]
+    tokens = runs["MHA"][0]["tokens"]
     best = min(rows, key=lambda r: r["val_loss"])
     g, q, m = rows[1], rows[2], rows[3]
     body = "\n".join([
@@ -210,17 +244,20 @@ def main() -> None:
         f"Presets with hidden size 256, 4 layers, 8 query heads of 32 dims (MLA: d_c=64, d_h^R=16). KV budget "
         f"{args.kv_budget_mib:g} MiB, requests of {args.request_len} tokens; decode throughput on this CPU at "
         f"min(capacity, {args.max_batch}) requests. Training: {args.train_steps} AdamW steps of {args.batch}x{args.seq} "
-        f"bytes ({tokens / 1e6:.2f}M tokens) of the Python standard library's source, seed {args.seed}, identical "
-        "batches; validation on held-out files (loss in nats per byte).", "",
+        f"bytes ({tokens / 1e6:.2f}M tokens) of the Python standard library's source per run, seeds {args.seeds} "
+        "(identical batches across variants); validation on held-out files (loss in nats per byte, mean over "
+        "seeds; seed spread = max - min).", "",
         table(rows, columns), "",
         f"Headline: per token GQA keeps {g['vs_mha']:.0%}, MQA {q['vs_mha']:.1%}, MLA {m['vs_mha']:.1%} of MHA's KV, so "
         f"{args.kv_budget_mib:g} MiB holds {mha['capacity']} / {g['capacity']} / {q['capacity']} / {m['capacity']} requests "
         f"(MHA/GQA/MQA/MLA); val loss {mha['val_loss']:.3f} / {g['val_loss']:.3f} / {q['val_loss']:.3f} / "
         f"{m['val_loss']:.3f} (best: {best['variant']}).",
         "",
+        quality_verdict(rows),
+        "",
         f"Caveat: {min(r['params_m'] for r in rows):.1f}-{max(r['params_m'] for r in rows):.1f}M parameters and "
-        f"{tokens / 1e6:.2f}M training tokens each, one seed; loss differences of a few "
-        "hundredths are within what another seed could move. The papers' claims are about billion-parameter models.",
+        f"{tokens / 1e6:.2f}M training tokens per run; the papers' claims are about billion-parameter models "
+        "trained on far more data.",
     ])
     write_report("attention_variants", "Attention variants: MHA, GQA, MQA, MLA", body,
                  {"rows": rows, "curves": runs, "args": vars(args)})

@@ -30,9 +30,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import RESULTS, EngineConfig, LengthDist, make_engine, replay_engine, replay_sim, table, trace, \
-    warm_engine, write_report, plot_timeline  # noqa: E402
-from paper_repro.traces import SHAREGPT  # noqa: E402
+from common import RESULTS, EngineConfig, make_engine, replay_engine, replay_sim, table, warm_engine, \
+    write_report, plot_timeline  # noqa: E402
+from llmjax.workloads import SHAREGPT, LengthDist  # noqa: E402
+from paper_repro.traces import length_trace  # noqa: E402
 
 CPU_DIST = LengthDist("short", mean_prompt=80, mean_output=40, sigma_prompt=0.8, sigma_output=0.8)
 POLICIES = ("static", "dynamic", "continuous", "continuous + chunked")
@@ -98,16 +99,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    cpu_trace = trace(CPU_DIST, args.requests, args.rate, args.seed, vocab=512, max_model_len=256,
-                      max_prompt_len=192)
+    cpu_trace = length_trace(CPU_DIST, args.requests, args.rate, args.seed, vocab=512, max_model_len=256,
+                             max_prompt_len=192, name="r")
     cpu_cfgs = configs(args.slots, 256, chunk=64, max_delay=0.1)
     cpu = {}
     for policy, cfg in cpu_cfgs.items():
         engine = make_engine("tiny-gqa", cfg.replace(kv_cache_memory_bytes=64 << 20))
         warm_engine(engine, cpu_trace)
         cpu[policy] = replay_engine(engine, cpu_trace, progress=f"CPU {policy}")
-    sim_trace = trace(SHAREGPT, args.sim_requests, args.sim_rate, args.seed, vocab=50000, max_model_len=2048,
-                      max_prompt_len=1024)
+    sim_trace = length_trace(SHAREGPT, args.sim_requests, args.sim_rate, args.seed, vocab=50000,
+                             max_model_len=2048, max_prompt_len=1024, name="r")
     sim = {p: replay_sim(c, sim_trace, progress=f"sim {p}")
            for p, c in configs(args.sim_slots, 2048, chunk=512, max_delay=1.0).items()}
 

@@ -30,24 +30,10 @@ from llmjax.config import EngineConfig  # noqa: E402
 from llmjax.kv.manager import KVCacheManager  # noqa: E402
 from llmjax.sampling_params import SamplingParams  # noqa: E402
 from llmjax.sim import A100_40GB_OPT_13B, CostModel, Simulator, TraceRequest  # noqa: E402
-from paper_repro.traces import LengthDist, lognormal_lengths, poisson_arrivals, random_tokens  # noqa: E402
 
 # GPU-scale setting of the simulated runs: OPT-13B on an A100-40GB, 12 GiB of KV (PagedAttention §6).
 SIM_COST = A100_40GB_OPT_13B
 SIM_KV_BYTES = 12 << 30
-
-
-# --- traces ------------------------------------------------------------------------------------------
-def trace(dist: LengthDist, n: int, rate: float, seed: int, vocab: int, max_model_len: int,
-          max_prompt_len: int, name: str = "r") -> list[TraceRequest]:
-    """n requests, log-normal prompt/output lengths with `dist`'s means, Poisson arrivals at `rate`/s
-    (rate <= 0: all arrive at t=0)."""
-    rng = np.random.default_rng(seed)
-    prompts = lognormal_lengths(rng, n, dist.mean_prompt, dist.sigma_prompt, max_prompt_len)
-    outputs = lognormal_lengths(rng, n, dist.mean_output, dist.sigma_output, max_model_len - prompts)
-    arrivals = poisson_arrivals(rng, n, rate) if rate > 0 else np.zeros(n)
-    return [TraceRequest(f"{name}{i}", float(arrivals[i]), random_tokens(rng, int(prompts[i]), vocab),
-                         int(outputs[i])) for i in range(n)]
 
 
 # --- results of a replay ----------------------------------------------------------------------------

@@ -36,7 +36,8 @@ import numpy as np  # noqa: E402
 
 from common import RESULTS, EngineConfig, Replay, Timing, TraceRequest, make_engine, replay_engine, table, \
     warm_engine, write_report  # noqa: E402
-from paper_repro.traces import lognormal_lengths, random_tokens  # noqa: E402
+from llmjax.workloads import lognormal_lengths  # noqa: E402
+from paper_repro.traces import random_tokens  # noqa: E402
 
 MAX_MODEL_LEN = 512
 

@@ -3,9 +3,9 @@
 Workloads (`--dataset`):
 - `random`: input and output lengths uniform in `len * [1 - r, 1 + r]` (`--random-input-len`,
   `--random-output-len`, `--random-range-ratio r`), random token ids.
-- `sharegpt`: lengths synthesised to ShareGPT's published means (input 161, output 338 tokens):
-  each drawn from a lognormal distribution with sigma 1.0 (input) / 0.8 (output) and mu set so its
-  mean is the published one, then clipped to [4, 2048] and to the model length. No dataset is read.
+- `sharegpt`: lengths synthesised to ShareGPT's published means (input 161, output 338 tokens) by
+  `llmjax.workloads` (log-normal, prompts capped at 1024 tokens, prompt + output at the model
+  length). No dataset is read.
 - `prefix`: `--prefix-groups G` groups; a request is its group's shared system prompt
   (`--prefix-len` tokens) plus a random suffix of `--random-input-len` tokens.
 - `multiturn`: `--num-prompts` conversations of `--turns` turns; each turn resends the whole
@@ -36,8 +36,8 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-SHAREGPT_MEAN_INPUT, SHAREGPT_MEAN_OUTPUT = 161, 338
-SHAREGPT_SIGMA_INPUT, SHAREGPT_SIGMA_OUTPUT = 1.0, 0.8
+from llmjax.workloads import SHAREGPT, lognormal_lengths
+
 SLO_NAMES = ("ttft", "tpot", "e2el")
 
 
@@ -132,12 +132,15 @@ class Workload:
     def _prompt(self, ids: list[int]) -> list[int] | str:
         return self.detokenize(ids) if self.args.prompt_format == "text" else ids
 
-    def _lengths(self) -> tuple[int, int]:
+    def _lengths(self, n: int) -> list[tuple[int, int]]:
+        """(input, output) lengths of n requests."""
         if self.args.dataset == "sharegpt":
-            draw = [self.rng.lognormal(math.log(m) - s * s / 2, s) for m, s in
-                    ((SHAREGPT_MEAN_INPUT, SHAREGPT_SIGMA_INPUT), (SHAREGPT_MEAN_OUTPUT, SHAREGPT_SIGMA_OUTPUT))]
-            return self._fit(*(int(np.clip(x, 4, 2048)) for x in draw))
-        return self._fit(self._uniform(self.args.random_input_len), self._uniform(self.args.random_output_len))
+            inputs = lognormal_lengths(self.rng, n, SHAREGPT.mean_prompt, SHAREGPT.sigma_prompt,
+                                       min(1024, self.max_len - 1))
+            outputs = lognormal_lengths(self.rng, n, SHAREGPT.mean_output, SHAREGPT.sigma_output, self.max_len - inputs)
+            return [self._fit(int(i), int(o)) for i, o in zip(inputs, outputs)]
+        return [self._fit(self._uniform(self.args.random_input_len), self._uniform(self.args.random_output_len))
+                for _ in range(n)]
 
     def jobs(self) -> tuple[list[Job], int]:
         """The jobs, and how many requests they make in all (for the progress bar)."""
@@ -146,8 +149,7 @@ class Workload:
             return [self._conversation() for _ in range(a.num_prompts)], a.num_prompts * a.turns
         prefixes = [self._ids(a.prefix_len) for _ in range(a.prefix_groups)]
         jobs = []
-        for i in range(a.num_prompts):
-            n_in, n_out = self._lengths()
+        for i, (n_in, n_out) in enumerate(self._lengths(a.num_prompts)):
             head = prefixes[i % a.prefix_groups] if a.dataset == "prefix" else []
             n_in, n_out = self._fit(len(head) + n_in, n_out)
             ids = (head + self._ids(n_in))[:n_in]
@@ -164,7 +166,7 @@ class Workload:
         return job
 
     def _conversation(self) -> Job:
-        turns = [self._lengths() for _ in range(self.args.turns)]
+        turns = self._lengths(self.args.turns)
         users = [self.detokenize(self._ids(n_in)) for n_in, _ in turns]
 
         async def job(send):

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from llmjax.config import EngineConfig
 from llmjax.engine import LLMEngine
+from llmjax.workloads import ALPACA, SHAREGPT, lognormal_lengths
 from paper_repro import memory_waste, radix_hit_rate, traces
 from paper_repro.memory_waste import fmt
 
@@ -41,7 +42,7 @@ BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 ENGINE_BLOCK_SIZES = [4, 16, 64, 256]
 # (lengths, req/s, requests): ShareGPT at the paper's Figure 13 rate; Alpaca at 60 req/s, where our simulated
 # vLLM is just memory bound at block size 16 (at the paper's 30 req/s it never is: its GPU steps were slower).
-DATASETS = {"ShareGPT": (traces.SHAREGPT, 2.0, 1000), "Alpaca": (traces.ALPACA, 60.0, 6000)}
+DATASETS = {"ShareGPT": (SHAREGPT, 2.0, 1000), "Alpaca": (ALPACA, 60.0, 6000)}
 PAPER_BEST = {"ShareGPT": (16, 128), "Alpaca": (16, 32)}
 HIT_POOL = 1 << 18  # tokens: large enough that eviction plays no part
 
@@ -80,7 +81,7 @@ def engine_sweep(args: argparse.Namespace) -> list[dict[str, float]]:
     load falls on all of them."""
     model, tokenizer = radix_hit_rate.load(args.model)
     rng = np.random.default_rng(args.seed)
-    lens = traces.lognormal_lengths(rng, args.engine_requests, 200, 0.6, 768)
+    lens = lognormal_lengths(rng, args.engine_requests, 200, 0.6, 768)
     prompts = [traces.random_tokens(rng, int(n), model.config.vocab_size) for n in lens]
     workload = radix_hit_rate.single_round("random prompts", prompts)
     engines = {bs: LLMEngine(model, tokenizer, EngineConfig(

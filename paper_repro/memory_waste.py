@@ -34,7 +34,8 @@ from llmjax.config import EngineConfig
 from llmjax.kv import KVCacheManager
 from llmjax.kv.contiguous import ContiguousKVCache, SlotBreakdown
 from llmjax.sim import A100_40GB_OPT_13B, Simulator, TraceRequest
-from paper_repro.traces import SHAREGPT, LengthDist, length_trace
+from llmjax.workloads import SHAREGPT, LengthDist
+from paper_repro.traces import length_trace
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 KV_BYTES = 12 << 30  # the paper's Table 1: 12 GB of an A100-40GB left for KV after OPT-13B's weights

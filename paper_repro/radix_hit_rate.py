@@ -39,6 +39,7 @@ from llmjax.engine import LLMEngine, RequestOutput
 from llmjax.kv import KVCacheManager
 from llmjax.sampling_params import SamplingParams
 from llmjax.sim import A100_40GB_OPT_13B, DUMMY_TOKEN, Simulator, TraceRequest
+from llmjax.workloads import lognormal_lengths
 from paper_repro import traces
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
@@ -198,7 +199,7 @@ def few_shot_at_scale(seed: int) -> list[TraceRequest]:
     """80 tasks x 20 questions, 5 examples of 64 tokens, questions of 32; outputs log-normal, mean 32; 30 req/s."""
     rng = np.random.default_rng(seed)
     prompts = traces.few_shot(rng, OPT_VOCAB, groups=80, per_group=20, example_len=64, question_len=32)
-    outputs = traces.lognormal_lengths(rng, len(prompts), 32, 0.8, 256)
+    outputs = lognormal_lengths(rng, len(prompts), 32, 0.8, 256)
     return traces.to_trace(prompts, outputs, rate=30.0, seed=seed, name="fs")
 
 
@@ -208,7 +209,7 @@ def chat_at_scale(seed: int) -> list[TraceRequest]:
     rng = np.random.default_rng(seed)
     conversations, turns = 300, 5
     chats = traces.Chats.draw(rng, OPT_VOCAB, conversations, turns, system_len=128, user_len=48)
-    replies = traces.lognormal_lengths(rng, conversations * turns, 80, 0.8, 256).reshape(conversations, turns)
+    replies = lognormal_lengths(rng, conversations * turns, 80, 0.8, 256).reshape(conversations, turns)
     return traces.chat_trace(chats, replies, rate=4.0, think_time=60.0, seed=seed)
 
 

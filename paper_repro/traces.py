@@ -1,10 +1,8 @@
 """Synthetic traces shared by the paper reproductions. Everything is drawn from a seeded numpy Generator.
 
-Length traces (PagedAttention §6): the papers publish only the means of ShareGPT and Alpaca, so
-prompt and output lengths are drawn from log-normal distributions whose log-space spread is ours
-to choose (`LengthDist`) and whose location is solved, per trace, so that the drawn lengths, after
-capping, have exactly the published means. Arrivals are a Poisson process. Prompts are random token
-ids, so no two requests share a prefix by accident.
+Length traces (PagedAttention §6): prompt and output lengths from `llmjax.workloads` (log-normal,
+matched to ShareGPT's or Alpaca's published means); arrivals are a Poisson process. Prompts are
+random token ids, so no two requests share a prefix by accident.
 
 Prefix-sharing workloads (RadixAttention): prompts built from random "text" (token ids) shared the way
 the SGLang paper's benchmarks share it: few-shot examples, a long document, a tree-of-thought stem,
@@ -19,42 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmjax.sim import DUMMY_TOKEN, TraceRequest
+from llmjax.workloads import LengthDist, lognormal_lengths
 
 FIRST_ID = 16  # random token ids start here: below are the special tokens of the tokenizers we use
-
-
-@dataclass(frozen=True)
-class LengthDist:
-    """Published mean prompt and output lengths, and our log-space spread (sigma) for each."""
-
-    name: str
-    mean_prompt: float
-    mean_output: float
-    sigma_prompt: float
-    sigma_output: float
-
-
-# Means: the PagedAttention paper, §6.1 (OPT tokenizer). Sigmas: our assumption, not published. Its
-# Figure 11 shows long right tails, prompts more skewed than outputs; sigma 1.0 / 0.8 give coefficients
-# of variation of about 1.3 / 0.95. memory_waste.py reports how the results move with sigma_output.
-SHAREGPT = LengthDist("ShareGPT", 161.31, 337.99, sigma_prompt=1.0, sigma_output=0.8)
-ALPACA = LengthDist("Alpaca", 19.31, 58.45, sigma_prompt=1.0, sigma_output=0.8)
-
-
-def lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: float,
-                      cap: int | np.ndarray) -> np.ndarray:
-    """n integer lengths in [1, cap] (cap may vary per draw): round(exp(mu + sigma * z)), clipped, with mu
-    solved by bisection so that the lengths' sample mean is `mean` (to within the integer rounding)."""
-    z = rng.standard_normal(n)
-
-    def draw(mu: float) -> np.ndarray:
-        return np.clip(np.rint(np.exp(mu + sigma * z)), 1, cap).astype(np.int64)
-
-    lo, hi = np.log(mean) - 5 * sigma - 5, np.log(mean) + 5 * sigma + 5
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if draw(mid).mean() < mean else (lo, mid)
-    return draw(hi)
 
 
 def poisson_arrivals(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:

@@ -11,13 +11,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
 import attention_variants  # noqa: E402
 import batching  # noqa: E402
 import chunked_prefill  # noqa: E402
-from common import replay_sim, trace  # noqa: E402
+from common import replay_sim  # noqa: E402
 from llmjax.config import PRESETS  # noqa: E402
+from paper_repro.traces import length_trace  # noqa: E402
 
 
 @pytest.mark.parametrize("policy", batching.POLICIES)
 def test_replay_sim_every_policy_finishes_with_sane_stats(policy):
-    reqs = trace(batching.CPU_DIST, 40, 5.0, seed=0, vocab=50000, max_model_len=256, max_prompt_len=192)
+    reqs = length_trace(batching.CPU_DIST, 40, 5.0, seed=0, vocab=50000, max_model_len=256, max_prompt_len=192,
+                        name="r")
     replay = replay_sim(batching.configs(8, 256, 64, 0.1)[policy], reqs)
     stats = replay.stats()
     assert stats["requests"] == 40

@@ -2,8 +2,6 @@
 
 import itertools
 
-import pytest
-
 from llmjax.config import EngineConfig
 from llmjax.kv.manager import KVCacheManager
 from llmjax.request import Request, RequestStatus

@@ -215,9 +215,11 @@ def _attend_rows(out, q_parts, load: Loader, num_kv_heads, block_size, req, tok,
 def _qk(q, k):
     """q [N, Q, Hkv, G, D] . k [N, C, Hkv, D] -> scores [N, Hkv, G, Q, C].
 
-    One query per row (decode) uses a fused multiply-reduce: XLA:CPU runs the batched
-    mat-vec form of the einsum several times slower."""
-    if q.shape[1] == 1:
+    One query per row (decode) with both a group and several KV heads (GQA proper) uses a
+    fused multiply-reduce, which XLA:CPU runs up to 2x faster than the batched mat-vec
+    einsum; with a size-1 head axis (MHA: G == 1; MQA and MLA: Hkv == 1) the same
+    multiply-reduce is up to 10x slower than the einsum, so those take the einsum."""
+    if _multiply_reduce(q.shape[1], q.shape[2], q.shape[3]):
         s = (q[:, 0, None] * k[:, :, :, None, :]).sum(-1)  # [N, C, Hkv, G]
         return s.transpose(0, 2, 3, 1)[:, :, :, None, :]
     return jnp.einsum("nqkgd,nckd->nkgqc", q, k, precision=_HI)
@@ -225,7 +227,12 @@ def _qk(q, k):
 
 def _pv(p, v):
     """p [N, Hkv, G, Q, C] @ v [N, C, Hkv, Dv] -> [N, Hkv, G, Q, Dv] (as in _qk)."""
-    if p.shape[3] == 1:
+    if _multiply_reduce(p.shape[3], p.shape[1], p.shape[2]):
         pt = p[:, :, :, 0].transpose(0, 3, 1, 2)  # [N, C, Hkv, G]
         return (pt[..., None] * v[:, :, :, None, :]).sum(1)[:, :, :, None, :]
     return jnp.einsum("nkgqc,nckd->nkgqd", p, v, precision=_HI)
+
+
+def _multiply_reduce(num_queries, num_kv_heads, group):
+    """Whether a chunk's scores and values take the multiply-reduce form (see _qk)."""
+    return num_queries == 1 and num_kv_heads > 1 and group > 1
