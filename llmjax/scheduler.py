@@ -145,15 +145,17 @@ class Scheduler:
             if batched and request.request_id not in self.batch:
                 skipped.append(request)
                 continue
-            result = self.kv.allocate(request.request_id, request.all_token_ids, budget, request.namespace)
+            if not self.config.enable_chunked_prefill and \
+                    budget < request.num_tokens - self.kv.peek_prefix_len(request.all_token_ids, request.namespace):
+                self.waiting.appendleft(request)  # the whole prompt must fit one step
+                break
+            # A request re-admitted after preemption finds its own blocks cached: not a prefix hit.
+            result = self.kv.allocate(request.request_id, request.all_token_ids, budget, request.namespace,
+                                      count_query=request.num_preemptions == 0)
             if result is None:
                 self.waiting.appendleft(request)
                 break
             num_cached, n = result
-            if not self.config.enable_chunked_prefill and n < request.num_tokens - num_cached:
-                self.kv.free(request.request_id)  # the whole prompt must fit one step
-                self.waiting.appendleft(request)
-                break
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = max(request.num_cached_tokens, num_cached)
             request.status = RequestStatus.RUNNING

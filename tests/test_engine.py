@@ -51,6 +51,7 @@ def test_preemption_keeps_outputs(reference):
     engine = tiny_engine(preset, kv_cache_memory_bytes=25 * 8 * engine_bytes_per_token(preset))
     outputs = run_to_completion(engine, PROMPTS)
     assert engine.scheduler.num_preemptions > 0
+    assert engine.kv.stats().queries == len(PROMPTS)  # a re-admission after preemption is no new query
     for out, (tokens, logits) in zip(outputs, expected):
         assert_greedy_matches(out.token_ids, tokens, logits)
 

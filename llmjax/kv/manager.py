@@ -68,7 +68,8 @@ class KVCacheManager:
         return self.prefix_cache.match(token_ids, namespace).num_tokens if self.prefix_cache else 0
 
     def allocate(
-        self, req_id: Hashable, token_ids: Sequence[int], max_new_tokens: int, namespace: Hashable = None
+        self, req_id: Hashable, token_ids: Sequence[int], max_new_tokens: int, namespace: Hashable = None,
+        count_query: bool = True,
     ) -> tuple[int, int] | None:
         """Admit a request that holds no blocks.
 
@@ -76,8 +77,9 @@ class KVCacheManager:
         aligned), locks it, and allocates fresh blocks so the request holds
         num_cached + num_new tokens, num_new = min(max_new_tokens, len(token_ids) - num_cached),
         evicting unlocked cached blocks as needed. Returns (num_cached, num_new), or None when
-        the pool cannot hold that now (nothing changed, no stats counted). Stats are counted
-        on success. ValueError for a known req_id, empty token_ids, max_new_tokens < 1, or a
+        the pool cannot hold that now (nothing changed, no stats counted). On success the query
+        and its hit tokens are counted in `stats()` unless `count_query` is False (the
+        scheduler's re-admission of a preempted request). ValueError for a known req_id, empty token_ids, max_new_tokens < 1, or a
         request needing more blocks than the pool has in all.
         """
         if req_id in self._seqs:
@@ -101,7 +103,7 @@ class KVCacheManager:
         table = [*match.blocks, *self._take(need)]
         self._seqs[req_id] = _Seq(table, num_tokens, node, len(match.blocks), namespace)
         self._num_seq_tokens += num_tokens
-        if cache:
+        if cache and count_query:
             cache.record_query(len(token_ids), num_cached)
         return num_cached, num_new
 
