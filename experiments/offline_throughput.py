@@ -10,13 +10,14 @@ Prints output tokens/s of each and the ratio, checks greedy outputs are identica
 achieved FLOP/s against this machine's measured float32 matmul peak (and the ratio over HF that the
 peak allows at all), and where a step's time goes.
 
-    python experiments/offline_throughput.py [--num-requests 128] [--hf-batch-sizes 8,16,32]
+    python experiments/offline_throughput.py [--num-requests 128] [--hf-batch-sizes 32,64,128]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def run_llmjax(prompts, outputs, args):
     from llmjax.sampling_params import SamplingParams
 
     llm = LLM(None, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              max_model_len=1024, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=True)
+              max_model_len=1024, kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), enable_prefix_caching=True)
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outputs]
     engine = llm.engine
     print("llmjax: warm-up pass (compiles the step buckets this workload uses)")
@@ -122,9 +123,10 @@ def run_hf(prompts, outputs, batch_size: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=128)
-    parser.add_argument("--hf-batch-sizes", default="8,16,32")
+    parser.add_argument("--hf-batch-sizes", default="32,64,128")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="our largest batch (HF's largest is 128 too)")
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="our KV pool; HF batch 128 holds about as much")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -142,7 +144,9 @@ def main() -> None:
     rows += [(f"HF generate, static batch {b}", r["elapsed"]) for b, r in sorted(hf_runs.items())]
     lines = [
         f"Workload: {args.num_requests} requests, prompts 16-512 tokens, outputs 16-256 tokens "
-        f"({total_out} output tokens), greedy, ignore_eos; SmolLM2-135M float32 on this CPU.",
+        f"({total_out} output tokens), greedy, ignore_eos; SmolLM2-135M float32 on this CPU. llmjax: "
+        f"max_num_seqs {args.max_num_seqs}, token budget {args.max_num_batched_tokens}, {args.kv_cache_gib:g} GiB "
+        f"of KV. Command: `python experiments/offline_throughput.py {' '.join(sys.argv[1:])}`.",
         "",
         "| system | time (s) | output tok/s | vs best HF |",
         "| --- | ---: | ---: | ---: |",

@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
 import attention_variants  # noqa: E402
 import batching  # noqa: E402
 import chunked_prefill  # noqa: E402
+import synergy  # noqa: E402
 from common import replay_sim  # noqa: E402
 from llmjax.config import PRESETS  # noqa: E402
 from paper_repro.traces import length_trace  # noqa: E402
@@ -42,3 +43,15 @@ def test_kv_formula_matches_config_and_capacity_scales():
         assert attention_variants.formula(cfg)[1] * 4 == cfg.kv_bytes_per_token(4)
     assert attention_variants.capacity(65, 16, 256) == 4  # 64 usable blocks of 16 tokens, 16 blocks a request
     assert np.isfinite(attention_variants.windows(np.arange(1000), np.random.default_rng(0), 2, 8)).all()
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_synergy_ladder_adds_one_optimization_per_rung(gpu):
+    from dataclasses import asdict
+
+    ladder = list(synergy.rungs(slots=4, paged_batch=12, chunk=256, kv_bytes=1 << 26, gpu=gpu).values())
+    changed = [{k for k, v in asdict(cur).items() if asdict(prev)[k] != v} for prev, cur in zip(ladder, ladder[1:])]
+    expected = [{"batch_size", "max_num_seqs"}, {"scheduling_policy"},
+                {"enable_chunked_prefill", "max_num_batched_tokens"}, {"enable_prefix_caching"}]
+    assert changed == expected + ([{"attention_backend"}] if gpu else [])
+    assert ladder[0].attention_backend == "xla" and ladder[0].scheduling_policy == "static"
