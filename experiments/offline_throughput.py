@@ -10,7 +10,7 @@ Prints output tokens/s of each and the ratio, checks greedy outputs are identica
 achieved FLOP/s against this machine's measured float32 matmul peak (and the ratio over HF that the
 peak allows at all), and where a step's time goes.
 
-    python experiments/offline_throughput.py [--num-requests 128] [--hf-batch-sizes 32,64,128]
+    python experiments/offline_throughput.py [--num-requests 128] [--hf-batch-sizes 8,16,32]
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def run_hf(prompts, outputs, batch_size: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=128)
-    parser.add_argument("--hf-batch-sizes", default="32,64,128")
+    parser.add_argument("--hf-batch-sizes", default="8,16,32")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=128, help="our largest batch (HF's largest is 128 too)")
     parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="our KV pool; HF batch 128 holds about as much")
