@@ -156,7 +156,7 @@ def windows(ids: np.ndarray, rng: np.random.Generator, batch: int, seq: int) -> 
     return np.stack([ids[s : s + seq + 1] for s in starts])
 
 
-def plot(rows: list[dict], runs: dict[str, dict], path) -> None:
+def plot(rows: list[dict], runs: dict[str, list[dict]], path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     names = [r["variant"] for r in rows]
     ax = axes[0]

@@ -55,3 +55,13 @@ def test_synergy_ladder_adds_one_optimization_per_rung(gpu):
                 {"enable_chunked_prefill", "max_num_batched_tokens"}, {"enable_prefix_caching"}]
     assert changed == expected + ([{"attention_backend"}] if gpu else [])
     assert ladder[0].attention_backend == "xla" and ladder[0].scheduling_policy == "static"
+
+
+def test_quality_verdict_weighs_differences_against_the_seed_spread():
+    losses = {"MHA": 1.00, "GQA": 1.01, "MQA": 1.10, "MLA": 1.03}
+    rows = [{"variant": v, "val_loss": x, "val_spread": 0.02} for v, x in losses.items()]
+    verdict = attention_variants.quality_verdict(rows)
+    assert "GQA +0.010, MQA +0.100, MLA +0.030" in verdict
+    assert "close to MHA): yes (within the seed spread)" in verdict
+    assert "a little worse): yes (beyond the seed spread)" in verdict
+    assert "(DeepSeek-V2): no (beyond the seed spread)" in verdict

@@ -79,8 +79,8 @@ class KVCacheManager:
         evicting unlocked cached blocks as needed. Returns (num_cached, num_new), or None when
         the pool cannot hold that now (nothing changed, no stats counted). On success the query
         and its hit tokens are counted in `stats()` unless `count_query` is False (the
-        scheduler's re-admission of a preempted request). ValueError for a known req_id, empty token_ids, max_new_tokens < 1, or a
-        request needing more blocks than the pool has in all.
+        scheduler's re-admission of a preempted request). ValueError for a known req_id, empty
+        token_ids, max_new_tokens < 1, or a request needing more blocks than the pool has in all.
         """
         if req_id in self._seqs:
             raise ValueError(f"request {req_id!r} already holds blocks")
