@@ -130,7 +130,6 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
 
     def add(self, token_id: int) -> str:
         """Append one id; return the newly completed text (possibly empty)."""
@@ -142,6 +141,5 @@ class IncrementalDetokenizer:
             delta = after[len(before) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
-            self.text += delta
             return delta
         return ""
