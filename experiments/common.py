@@ -14,7 +14,6 @@ every later timestamp and arrival (`Replay.compiles` counts them; normally 0).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ RESULTS = ROOT / "results"
 
 from llmjax.config import EngineConfig  # noqa: E402
 from llmjax.kv.manager import KVCacheManager  # noqa: E402
+from llmjax.provenance import write_results  # noqa: E402
 from llmjax.sampling_params import SamplingParams  # noqa: E402
 from llmjax.sim import A100_40GB_OPT_13B, CostModel, Simulator, TraceRequest  # noqa: E402
 
@@ -245,8 +245,7 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 
 
 def write_report(name: str, title: str, body: str, data: dict) -> None:
-    """Print `body`, write results/<name>.md (with links to its PNGs) and results/<name>.json."""
+    """Print `body`, write results/<name>.md (with links to its PNGs) and results/<name>.json, both stamped
+    with the commit, command, date, machine and package versions (`llmjax.provenance`)."""
     print(body)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.md").write_text(f"# {title}\n\n{body}\n")
-    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2, default=float))
+    write_results(RESULTS, name, f"# {title}\n\n{body}\n", data)

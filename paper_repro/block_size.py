@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from llmjax.config import EngineConfig
 from llmjax.engine import LLMEngine
+from llmjax.provenance import write_results
 from llmjax.workloads import ALPACA, SHAREGPT, lognormal_lengths
 from paper_repro import memory_waste, radix_hit_rate, traces
 from paper_repro.memory_waste import fmt
@@ -267,8 +268,8 @@ def main() -> None:
         print("\n" + "\n".join(engine_table(engine)))
     args.out.mkdir(parents=True, exist_ok=True)
     plot(memory, hits, engine, args.out / "block_size.png")
-    (args.out / "block_size.md").write_text(report(memory, hits, engine, args))
-    print(f"wrote {args.out / 'block_size.md'} and .png")
+    write_results(args.out, "block_size", report(memory, hits, engine, args), {})
+    print(f"wrote {args.out / 'block_size.md'}, .json and .png")
 
 
 if __name__ == "__main__":

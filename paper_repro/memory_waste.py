@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 
 import matplotlib
@@ -33,6 +32,7 @@ from tqdm import tqdm
 from llmjax.config import EngineConfig
 from llmjax.kv import KVCacheManager
 from llmjax.kv.contiguous import ContiguousKVCache, SlotBreakdown
+from llmjax.provenance import write_results
 from llmjax.sim import A100_40GB_OPT_13B, Simulator, TraceRequest
 from llmjax.workloads import SHAREGPT, LengthDist
 from paper_repro.traces import length_trace
@@ -223,10 +223,9 @@ def main() -> None:
     print("\nours (paper) in % of KV memory; mean batch in requests\n" + "\n".join(rows))
     args.out.mkdir(parents=True, exist_ok=True)
     keep = (*SHARES, "mean_batch_size")
-    (args.out / "memory_waste.json").write_text(json.dumps(
-        {name: {k: round(v[k], 2) for k in keep} for name, v in ours.items()}, indent=2) + "\n")
     plot(ours, args.out / "memory_waste.png")
-    (args.out / "memory_waste.md").write_text(report(runs, ours, sensitivity, args))
+    write_results(args.out, "memory_waste", report(runs, ours, sensitivity, args),
+                  {name: {k: round(v[k], 2) for k in keep} for name, v in ours.items()})
     print(f"wrote {args.out / 'memory_waste.md'}, .json, .png")
 
 

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from llmjax.config import EngineConfig
 from llmjax.engine import LLMEngine, RequestOutput
 from llmjax.kv import KVCacheManager
+from llmjax.provenance import write_results
 from llmjax.sampling_params import SamplingParams
 from llmjax.sim import A100_40GB_OPT_13B, DUMMY_TOKEN, Simulator, TraceRequest
 from llmjax.workloads import lognormal_lengths
@@ -403,8 +404,8 @@ def main() -> None:
     print("\n" + "\n".join(scale_table(scale)))
     args.out.mkdir(parents=True, exist_ok=True)
     plot(engine, scale, args.out / "radix_hit_rate.png")
-    (args.out / "radix_hit_rate.md").write_text(report(engine, scale, args))
-    print(f"wrote {args.out / 'radix_hit_rate.md'} and .png")
+    write_results(args.out, "radix_hit_rate", report(engine, scale, args), {})
+    print(f"wrote {args.out / 'radix_hit_rate.md'}, .json and .png")
 
 
 if __name__ == "__main__":

@@ -65,3 +65,22 @@ def test_quality_verdict_weighs_differences_against_the_seed_spread():
     assert "close to MHA): yes (within the seed spread)" in verdict
     assert "a little worse): yes (beyond the seed spread)" in verdict
     assert "(DeepSeek-V2): no (beyond the seed spread)" in verdict
+
+
+def test_results_files_are_stamped_with_commit_command_and_machine(tmp_path):
+    import json
+    import os
+    import subprocess
+
+    from llmjax.provenance import write_results
+
+    write_results(tmp_path, "x", "# X\n\nbody\n", {"value": 1.5})
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parent.parent).stdout.strip()
+    data = json.loads((tmp_path / "x.json").read_text())
+    prov = data["provenance"]
+    assert data["value"] == 1.5 and prov["commit"] == head
+    assert prov["machine"]["cores"] == len(os.sched_getaffinity(0))
+    assert prov["versions"]["numpy"] == np.__version__
+    text = (tmp_path / "x.md").read_text()
+    assert text.startswith("# X\n\nbody\n") and f"commit: {head[:12]}" in text and "## Provenance" in text

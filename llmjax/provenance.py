@@ -1,0 +1,111 @@
+"""Where a result came from: the code (git commit, dirty tree), the command, the date, the machine and
+the package versions. Every results writer (`experiments/common.write_report`, each `paper_repro`
+script) stores `provenance()` in its JSON and `provenance_markdown()` at the end of its report, so a
+results file says what produced it and whether it is stale.
+
+`provenance()` never raises: a fact it cannot find (no git, no /proc/cpuinfo, a package not
+installed) is recorded as None.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("jax", "jaxlib", "flax", "numpy", "torch", "transformers")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.rstrip() if out.returncode == 0 else None
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / (1 << 20), 1)  # kB -> GiB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def provenance() -> dict:
+    """{"commit", "dirty", "command", "date_utc", "machine": {"cores", "cpu", "memory_gib", "platform"},
+    "versions": {"python", "jax", ...}, "torch_threads"}; dirty is True when tracked files differ from the commit (the
+    result may then not be reproducible from `commit` alone; dirty_paths says which files differ)."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    argv = getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]  # orig_argv keeps `-m module`
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count()
+    return {
+        "commit": _git("rev-parse", "HEAD"),
+        "dirty": None if status is None else bool(status),
+        "dirty_paths": None if status is None else [line[3:] for line in status.splitlines()],
+        "command": " ".join(shlex.quote(a) for a in [Path(argv[0]).name, *argv[1:]]),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "machine": {"cores": cores, "cpu": _cpu_model(), "memory_gib": _memory_gib(),
+                    "platform": platform.platform()},
+        "versions": {"python": platform.python_version(), **{p: _version(p) for p in PACKAGES}},
+        # torch's intra-op threads when this process imported torch (HF baselines set them to the cores)
+        "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
+    }
+
+
+def provenance_markdown(prov: dict | None = None) -> str:
+    """A "Provenance" section for the end of a markdown report (of `prov`, default: now)."""
+    p = prov or provenance()
+    m = p["machine"]
+    commit = (p["commit"] or "unknown")[:12]
+    if p["dirty"]:
+        commit += " with uncommitted changes to " + ", ".join(p["dirty_paths"])
+    versions = ", ".join(f"{k} {v}" for k, v in p["versions"].items() if v)
+    return "\n".join([
+        "## Provenance", "",
+        f"- commit: {commit}",
+        f"- command: `{p['command']}`",
+        f"- date: {p['date_utc']}",
+        f"- machine: {m['cores']} cores, {m['cpu'] or 'unknown CPU'}, {m['memory_gib']} GiB memory, {m['platform']}",
+        f"- versions: {versions}",
+        *([f"- torch threads: {p['torch_threads']}"] if p.get("torch_threads") else []),
+    ])
+
+
+def write_results(directory: Path, name: str, markdown: str, data: dict) -> None:
+    """Write `directory`/<name>.md (`markdown` followed by the provenance section) and <name>.json
+    (`data` with a "provenance" key added), both stamped with one `provenance()`."""
+    import json
+
+    prov = provenance()
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.md").write_text(markdown.rstrip("\n") + "\n\n" + provenance_markdown(prov) + "\n")
+    (directory / f"{name}.json").write_text(json.dumps({**data, "provenance": prov}, indent=2, default=float) + "\n")
