@@ -134,7 +134,8 @@ def main() -> None:
         _, sampling = runner.padding_inputs(t, s, b)  # greedy
 
         def run(fn):
-            out, runner.cache = fn(runner.params, runner.cache, step, sampling, decode_only, 0)
+            out, runner.cache, runner.penalties = fn(runner.params, runner.cache, runner.penalties, step, sampling,
+                                                     decode_only, 0)
             jax.block_until_ready(out)
 
         compile_s = {}

@@ -84,7 +84,7 @@ class LLMEngine:
         self.num_blocks = num_blocks_from_budget(budget, config.block_size, bytes_per_token)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(model, config, self.num_blocks, kv_dtype)
+        self.runner = ModelRunner(model, config, self.num_blocks, kv_dtype, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
         self._ids = itertools.count()
@@ -145,6 +145,12 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if params.top_k > vocab:
+            raise RequestError(f"top_k must be at most the vocabulary size {vocab} (or -1/0 to disable), "
+                               f"got {params.top_k}", "top_k")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}",
+                               "logit_bias")
         max_len = self.config.max_model_len
         wanted = len(ids) + (params.max_tokens or 1)
         if len(ids) >= max_len or wanted > max_len:
@@ -165,7 +171,7 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None or request.status.finished:
             return None
-        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
         return self._output(request, finished=True)
 
     def has_unfinished_requests(self) -> bool:
@@ -177,6 +183,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.time_schedule += time.perf_counter() - t0
+        for request in out.preempted:
+            self.runner.release(request.request_id)
         if out.empty:
             return []
         tables = [self.kv.block_table(s.request.request_id) for s in out.scheduled]
@@ -203,11 +211,15 @@ class LLMEngine:
             self.num_generation_tokens += 1
             status = self._check_stop(request, token)
             if status is not None:
-                self.scheduler.finish(request, status)
+                self._finish(request, status)
             outputs.append(self._output(request, finished=status is not None))
         self.num_steps += 1
         self.time_update += time.perf_counter() - t1
         return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        self.runner.release(request.request_id)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         """Stop conditions, in vLLM's order. Also advances the request's text (stop strings need it)."""

@@ -32,7 +32,8 @@ class Request:
 
     `num_computed_tokens`: tokens whose KV is in the cache (a prefix hit counts). The request
     needs `len(all_token_ids) - num_computed_tokens` more tokens computed before it can sample.
-    `namespace` is the prefix-cache tenant (None: the shared default).
+    `namespace` is the prefix-cache tenant (None: the shared default). `seed` may be any 64-bit
+    integer (the sampler folds it into the PRNG key as two 32-bit words).
     Compared and hashed by identity.
     """
 
@@ -42,6 +43,7 @@ class Request:
     seed: int
     namespace: Hashable | None = None
     prompt: str | None = None
+    sample_index: int = 0  # which of its parent request's n samples this is
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

@@ -14,6 +14,7 @@ T / `MIXED_TOKENS_PER_SEQ` (the padded rows cost only LM-head rows: < 4% of such
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -29,7 +30,8 @@ from llmjax.attention.backend import get_attention_backend
 from llmjax.config import EngineConfig
 from llmjax.models.loader import LoadedModel
 from llmjax.models.transformer import init_cache
-from llmjax.sampler import SamplingInput, sample
+from llmjax.request import Request
+from llmjax.sampler import PenaltyState, SamplingInput, sample
 from llmjax.sampling_params import MAX_LOGPROBS
 from llmjax.scheduler import SchedulerOutput
 from llmjax.step_input import StepInput
@@ -78,17 +80,30 @@ def _make_step_function(graphdef, backend, block_size: int, layout: parallel.Lay
     if layout is not None:
         backend = parallel.sharded_attention(backend, layout.mesh)
 
-    def step(params, cache, step_input: StepInput, sampling: SamplingInput, decode_only: bool,
-             num_top_logprobs: int):
+    def step(params, cache, penalties: PenaltyState, step_input: StepInput, sampling: SamplingInput,
+             decode_only: bool, num_top_logprobs: int):
         traces[0] += 1  # runs only while tracing
         model = nnx.merge(graphdef, params)
         logits, cache = model.forward_paged(cache, step_input, backend, block_size, decode_only)
-        return sample(logits, sampling, num_top_logprobs), cache
+        sampled, penalties = sample(logits, sampling, penalties, num_top_logprobs)
+        return sampled, cache, penalties
 
-    shardings = {} if layout is None else layout.jit_shardings()
+    shardings = {}
+    if layout is not None:  # the penalty tables are replicated, like the batch metadata
+        (params, cache, *rest), (out, out_cache) = (layout.jit_shardings()[k] for k in ("in_shardings",
+                                                                                         "out_shardings"))
+        shardings = dict(in_shardings=(params, cache, layout.replicated, *rest),
+                         out_shardings=(out, out_cache, layout.replicated))
     # static arguments by position: jit accepts no keyword arguments alongside in_shardings
-    jitted = jax.jit(step, static_argnums=(4, 5), donate_argnums=(1,), **shardings)
+    jitted = jax.jit(step, static_argnums=(5, 6), donate_argnums=(1, 2), **shardings)
     return jitted, traces
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _write_penalty_row(state: PenaltyState, row, counts, prompt_mask, logit_bias, min_tokens_mask) -> PenaltyState:
+    """`state` with row `row` replaced (one compilation per vocabulary size)."""
+    return PenaltyState(state.output_counts.at[row].set(counts), state.prompt_mask.at[row].set(prompt_mask),
+                        state.logit_bias.at[row].set(logit_bias), state.min_tokens_mask.at[row].set(min_tokens_mask))
 
 
 class ModelRunner:
@@ -98,7 +113,8 @@ class ModelRunner:
     (`self.layout`, see `llmjax.parallel`); `model` must then have passed `parallel.prepare_model`.
     """
 
-    def __init__(self, model: LoadedModel, config: EngineConfig, num_blocks: int, kv_dtype):
+    def __init__(self, model: LoadedModel, config: EngineConfig, num_blocks: int, kv_dtype,
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.model_config = model.config
         self.config = config
         self.block_size = config.block_size
@@ -113,6 +129,10 @@ class ModelRunner:
         else:
             self.params = self.layout.place_params(model.params)
             self.cache = self.layout.init_cache(model.config, num_blocks, config.block_size, kv_dtype)
+        self.eos_token_ids = eos_token_ids
+        self.penalties = self._empty_penalties()
+        self._penalty_rows: dict[str, int] = {}  # request id -> its row in `penalties`
+        self._free_penalty_rows = list(range(config.max_num_seqs))  # row max_num_seqs is scratch
         self.num_compiles = 0
         self.time_prepare = 0.0
         self.time_device = 0.0
@@ -182,27 +202,72 @@ class ModelRunner:
         want_top = any((r.request.sampling_params.logprobs or 0) > 0 for r in sched)
         return step, sampling, decode_only, MAX_LOGPROBS if want_top else 0
 
-    @staticmethod
-    def _sampling_input(out: SchedulerOutput, s: int) -> SamplingInput:
+    def _sampling_input(self, out: SchedulerOutput, s: int) -> SamplingInput:
+        """Per-request sampling arrays; gives each request that uses logits processing its penalty row."""
         temp = np.zeros(s, np.float32)
         top_k = np.zeros(s, np.int32)
         top_p = np.ones(s, np.float32)
         min_p = np.zeros(s, np.float32)
-        seeds = np.zeros(s, np.uint32)
+        seeds = np.zeros(s, np.uint64)
+        sample_index = np.zeros(s, np.int32)
         index = np.zeros(s, np.int32)
+        rows = np.full(s, self.config.max_num_seqs, np.int32)
+        processed, keep, in_min_tokens = np.zeros(s, bool), np.zeros(s, bool), np.zeros(s, bool)
+        presence, frequency, repetition = np.zeros(s, np.float32), np.zeros(s, np.float32), np.ones(s, np.float32)
         for i, sr in enumerate(out.scheduled):
             p, r = sr.request.sampling_params, sr.request
-            temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-            seeds[i], index[i] = r.seed, len(r.output_token_ids)
-        return SamplingInput(temp, top_k, top_p, min_p, seeds, index)
+            temp[i] = 0.0 if p.greedy else p.temperature
+            top_k[i], top_p[i], min_p[i] = max(p.top_k, 0), p.top_p, p.min_p
+            seeds[i], sample_index[i], index[i] = r.seed % 2**64, r.sample_index, len(r.output_token_ids)
+            keep[i] = sr.samples
+            if p.uses_logits_processing:
+                rows[i], processed[i] = self._penalty_row(r), True
+                in_min_tokens[i] = len(r.output_token_ids) < p.min_tokens
+                presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        return SamplingInput(temp, top_k, top_p, min_p, (seeds >> 32).astype(np.uint32),
+                             (seeds & 0xFFFFFFFF).astype(np.uint32), sample_index, index, rows, processed, keep,
+                             in_min_tokens, presence, frequency, repetition)
+
+    # --- penalty rows --------------------------------------------------------------------------------
+    def _empty_penalties(self) -> PenaltyState:
+        rows, vocab = self.config.max_num_seqs + 1, self.model_config.vocab_size
+        state = PenaltyState(np.zeros((rows, vocab), np.int32), np.zeros((rows, vocab), bool),
+                             np.zeros((rows, vocab), np.float32), np.zeros((rows, vocab), bool))
+        return jax.device_put(state, None if self.layout is None else self.layout.replicated)
+
+    def _penalty_row(self, request: Request) -> int:
+        """The request's row, assigned and filled from its tokens (vectorised) on first use."""
+        row = self._penalty_rows.get(request.request_id)
+        if row is not None:
+            return row
+        row = self._free_penalty_rows.pop()
+        self._penalty_rows[request.request_id] = row
+        p, vocab = request.sampling_params, self.model_config.vocab_size
+        counts = np.bincount(np.asarray(request.output_token_ids, np.int64), minlength=vocab).astype(np.int32)
+        prompt_mask = np.bincount(np.asarray(request.prompt_token_ids, np.int64), minlength=vocab) > 0
+        bias = np.zeros(vocab, np.float32)
+        for token, value in (p.logit_bias or {}).items():
+            bias[token] = value
+        stops = [t for t in p.stop_token_ids if t < vocab] + ([] if p.ignore_eos else list(self.eos_token_ids))
+        min_tokens_mask = np.zeros(vocab, bool)
+        min_tokens_mask[stops] = True
+        self.penalties = _write_penalty_row(self.penalties, np.int32(row), counts, prompt_mask, bias,
+                                            min_tokens_mask)
+        return row
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished or preempted request's penalty row (a re-admitted one gets it rebuilt)."""
+        row = self._penalty_rows.pop(request_id, None)
+        if row is not None:
+            self._free_penalty_rows.append(row)
 
     # --- execution ---------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput, block_tables: list[list[int]]) -> StepResult:
         t0 = time.perf_counter()
         step, sampling, decode_only, num_top = self.prepare(out, block_tables)
         t1 = time.perf_counter()
-        (tokens, logprobs, top_ids, top_lp), self.cache = self._step(
-            self.params, self.cache, step, sampling, decode_only=decode_only, num_top_logprobs=num_top
+        (tokens, logprobs, top_ids, top_lp), self.cache, self.penalties = self._step(
+            self.params, self.cache, self.penalties, step, sampling, decode_only=decode_only, num_top_logprobs=num_top
         )
         n = len(out.scheduled)
         result = StepResult(np.asarray(tokens)[:n], np.asarray(logprobs)[:n], np.asarray(top_ids)[:n],
@@ -217,12 +282,12 @@ class ModelRunner:
         Runs on all-padding inputs (every write lands in the null block), so the cache is unchanged.
         """
         for t, s, b, decode_only in tqdm(shapes, desc="compiling step buckets", unit="bucket"):
-            _, self.cache = self._step(self.params, self.cache, *self.padding_inputs(t, s, b),
-                                       decode_only=decode_only, num_top_logprobs=0)
+            _, self.cache, self.penalties = self._step(self.params, self.cache, self.penalties,
+                                                       *self.padding_inputs(t, s, b), decode_only=decode_only,
+                                                       num_top_logprobs=0)
         jax.block_until_ready(self.cache)
 
-    @staticmethod
-    def padding_inputs(t: int, s: int, b: int) -> tuple[StepInput, SamplingInput]:
+    def padding_inputs(self, t: int, s: int, b: int) -> tuple[StepInput, SamplingInput]:
         """All-padding inputs of bucket (T, S, B): every write lands in the null block."""
         step = StepInput(
             token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32), slot_mapping=np.zeros(t, np.int32),
@@ -230,13 +295,12 @@ class ModelRunner:
             block_tables=np.zeros((s, b), np.int32), logits_indices=np.zeros(s, np.int32),
             num_decodes=np.int32(0),
         )
-        sampling = SamplingInput(np.zeros(s, np.float32), np.zeros(s, np.int32), np.ones(s, np.float32),
-                                 np.zeros(s, np.float32), np.zeros(s, np.uint32), np.zeros(s, np.int32))
-        return step, sampling
+        return step, self._sampling_input(SchedulerOutput(), s)
 
     def lower(self, t: int, s: int, b: int, decode_only: bool = False) -> jax.stages.Lowered:
         """The step of bucket (T, S, B) lowered for inspection (`.compile().as_text()` is its HLO); runs nothing."""
-        return self._step_fn.lower(self.params, self.cache, *self.padding_inputs(t, s, b), decode_only, 0)
+        return self._step_fn.lower(self.params, self.cache, self.penalties, *self.padding_inputs(t, s, b),
+                                   decode_only, 0)
 
     def warmup_shapes(self, max_context: int | None = None) -> list[tuple[int, int, int, bool]]:
         """The common buckets for contexts up to `max_context` tokens (default: the smallest

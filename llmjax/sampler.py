@@ -1,14 +1,27 @@
-"""Sampling inside the jitted step: temperature, top-k, top-p, min-p, per-request PRNG keys, logprobs.
+"""Sampling inside the jitted step: logits processing (logit bias, min_tokens, vLLM's penalties),
+temperature, top-k, top-p, min-p, per-request PRNG keys, logprobs.
 
-Each request's key is `fold_in(key(seed), output_index)`, so a seeded request draws the same
-tokens whatever else shares its batch. Greedy rows (temperature 0) take the argmax; when every
-row is greedy the sort/filter work is skipped at run time (`lax.cond`).
-Logprobs are of the model's raw distribution (before temperature and filtering), as vLLM reports.
+Keys: a request's 64-bit seed is split into two 32-bit words, and its key is
+`fold_in(fold_in(fold_in(fold_in(key(0), seed_hi), seed_lo), sample_index), output_index)`, so a
+seeded request draws the same tokens whatever else shares its batch, and the n samples of one
+request (`sample_index` 0..n-1) draw from distinct streams.
+
+Logits processing, in vLLM's order: logit bias, then min_tokens (EOS and stop ids at -inf while
+fewer than min_tokens tokens are out), then the repetition penalty (tokens in the prompt or the
+output: positive logits divided by it, negative ones multiplied), frequency (times the token's
+count in the output) and presence (once if in the output) penalties. It reads `PenaltyState`, a
+device-resident table with one row per request that uses any of this (the runner assigns rows),
+and the step adds each kept sampled token to its row's counts on the device. When no request of
+the step has a row, all of it is skipped at run time (`lax.cond`).
+
+Greedy rows (temperature 0) take the argmax of the processed logits; when every row is greedy the
+sort/filter work is skipped at run time. Logprobs are of the model's raw distribution (before any
+processing, temperature and filtering), as vLLM reports by default.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +36,57 @@ class SamplingInput:
     top_k: jax.Array  # i32; <= 0 = off
     top_p: jax.Array  # f32; 1 = off
     min_p: jax.Array  # f32; 0 = off
-    seeds: jax.Array  # u32
-    output_index: jax.Array  # i32: how many tokens the request has sampled so far
+    seed_hi: jax.Array  # u32: the seed's high 32 bits
+    seed_lo: jax.Array  # u32: its low 32 bits
+    sample_index: jax.Array  # i32: which of the request's n samples this row is
+    output_index: jax.Array  # i32: how many tokens the row has sampled so far
+    penalty_row: jax.Array  # i32: the row's `PenaltyState` row; rows without processing: the scratch row
+    processed: jax.Array  # bool: the row uses logits processing (has a real penalty row)
+    keep: jax.Array  # bool: the row's sampled token is kept (counted into its penalty row)
+    in_min_tokens: jax.Array  # bool: fewer than min_tokens tokens out: EOS and stop ids are masked
+    presence_penalty: jax.Array  # f32
+    frequency_penalty: jax.Array  # f32
+    repetition_penalty: jax.Array  # f32; 1 = off
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PenaltyState:
+    """Per-request logits-processing tables, `[R, V]` each: one row per request using processing,
+    the last row scratch (written by padding, never read with effect). Owned by the runner,
+    donated to the step, which returns it with the kept tokens counted."""
+
+    output_counts: jax.Array  # i32: occurrences of each token in the row's output
+    prompt_mask: jax.Array  # bool: token occurs in the prompt
+    logit_bias: jax.Array  # f32: added to the logits
+    min_tokens_mask: jax.Array  # bool: EOS and stop ids, masked while `in_min_tokens`
+
+
+def process_logits(logits: jax.Array, s: SamplingInput, state: PenaltyState) -> jax.Array:
+    """Logit bias, min_tokens mask and penalties on the rows that use them; logits `[S, V]`."""
+
+    def apply() -> jax.Array:
+        counts = state.output_counts[s.penalty_row]
+        out = logits + state.logit_bias[s.penalty_row]
+        out = jnp.where(s.in_min_tokens[:, None] & state.min_tokens_mask[s.penalty_row], -jnp.inf, out)
+        seen = state.prompt_mask[s.penalty_row] | (counts > 0)
+        rep = s.repetition_penalty[:, None]
+        out = jnp.where(seen, jnp.where(out > 0, out / rep, out * rep), out)
+        out = out - s.frequency_penalty[:, None] * counts - s.presence_penalty[:, None] * (counts > 0)
+        return jnp.where(s.processed[:, None], out, logits)
+
+    return jax.lax.cond(jnp.any(s.processed), apply, lambda: logits)
+
+
+def count_tokens(state: PenaltyState, tokens: jax.Array, s: SamplingInput) -> PenaltyState:
+    """Add each kept sampled token to its row's output counts (skipped when no row is processed)."""
+
+    def add() -> jax.Array:
+        inc = (s.processed & s.keep).astype(jnp.int32)
+        return state.output_counts.at[s.penalty_row, tokens].add(inc)
+
+    counts = jax.lax.cond(jnp.any(s.processed), add, lambda: state.output_counts)
+    return replace(state, output_counts=counts)
 
 
 def _filtered_logits(logits: jax.Array, s: SamplingInput) -> jax.Array:
@@ -43,21 +105,27 @@ def _filtered_logits(logits: jax.Array, s: SamplingInput) -> jax.Array:
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
+def _row_key(hi: jax.Array, lo: jax.Array, sample_index: jax.Array, output_index: jax.Array) -> jax.Array:
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), hi), lo)
+    return jax.random.fold_in(jax.random.fold_in(key, sample_index), output_index)
+
+
 def _random_sample(logits: jax.Array, s: SamplingInput) -> jax.Array:
     filtered = _filtered_logits(logits, s)
-    keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(s.seeds, s.output_index)
+    keys = jax.vmap(_row_key)(s.seed_hi, s.seed_lo, s.sample_index, s.output_index)
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (logits.shape[-1],)))(keys)
     sampled = jnp.argmax(filtered + gumbel, axis=-1)
     return jnp.where(s.temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, s: SamplingInput, num_top_logprobs: int = 0):
-    """logits `[S, V]` float32 -> (tokens `[S]`, logprob of each token `[S]`,
-    top ids `[S, num_top_logprobs]`, top logprobs `[S, num_top_logprobs]`)."""
+def sample(logits: jax.Array, s: SamplingInput, state: PenaltyState, num_top_logprobs: int = 0):
+    """logits `[S, V]` float32 -> ((tokens `[S]`, logprob of each token `[S]`, top ids
+    `[S, num_top_logprobs]`, top logprobs `[S, num_top_logprobs]`), the updated `state`)."""
+    processed = process_logits(logits, s, state)
     tokens = jax.lax.cond(
         jnp.all(s.temperature == 0),
-        lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
-        lambda: _random_sample(logits, s),
+        lambda: jnp.argmax(processed, axis=-1).astype(jnp.int32),
+        lambda: _random_sample(processed, s),
     )
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     token_logprobs = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
@@ -66,4 +134,4 @@ def sample(logits: jax.Array, s: SamplingInput, num_top_logprobs: int = 0):
     else:
         top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
-    return tokens, token_logprobs, top_ids, top_lp
+    return (tokens, token_logprobs, top_ids, top_lp), count_tokens(state, tokens, s)

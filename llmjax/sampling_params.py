@@ -1,10 +1,24 @@
-"""`SamplingParams`: vLLM's field names and meanings, validated on construction."""
+"""`SamplingParams`: vLLM's field names and meanings, validated on construction.
+
+Every field is type-checked and bounded here, so the offline API and the server refuse the same
+values with the same `SamplingParamsError` (which names the field). What needs the model
+(`top_k` and `logit_bias` ids against the vocabulary) is checked by the engine (`RequestError`).
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 MAX_LOGPROBS = 20
+MAX_N = 64  # parallel samples per request
+INT32_MAX = 2**31 - 1
+SEED_MIN, SEED_END = -(2**63), 2**64  # any signed or unsigned 64-bit integer
+MAX_PENALTY = 2.0  # presence / frequency in [-2, 2]; repetition in (0, 2]
+MAX_LOGIT_BIAS = 100.0
+GREEDY_BELOW = 1e-5  # a smaller temperature samples greedily (as vLLM does), never dividing by ~0
 
 
 class SamplingParamsError(ValueError):
@@ -15,15 +29,29 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request.
 
-    temperature 0 is greedy; top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable theirs.
-    `seed` makes a request's samples reproducible whatever else shares its batch.
+    temperature 0 (or below 1e-5) is greedy; top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable theirs.
+    `seed` (any 64-bit integer) makes a request's samples reproducible whatever else shares its
+    batch; with `n` > 1 each of the n samples draws from its own stream derived from it.
     `stop` strings end generation and are cut from the text (unless `include_stop_str_in_output`).
     `logprobs`: None for none, 0 for the sampled token's logprob, k for it plus the top k.
-    `max_tokens` None means "up to max_model_len".
+    `max_tokens` None means "up to max_model_len". Until `min_tokens` tokens are generated, EOS
+    and `stop_token_ids` cannot be sampled and no stop condition applies.
+    Penalties (vLLM's): `presence_penalty` and `frequency_penalty` subtract from the logit of each
+    token already in the output (once / per occurrence); `repetition_penalty` divides the positive
+    logits (multiplies the negative ones) of tokens in the prompt or the output. `logit_bias` adds
+    a bias to a token id's logit (keys may be ints or decimal strings, as in OpenAI's JSON).
     """
 
     n: int = 1
@@ -40,30 +68,85 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        self._check("stop", isinstance(self.stop, (list, tuple)) or self.stop is None,
+                    "stop must be a string or a list of strings")
         object.__setattr__(self, "stop", tuple(self.stop or ()))
+        self._check("stop_token_ids", isinstance(self.stop_token_ids, (list, tuple)) or self.stop_token_ids is None,
+                    "stop_token_ids must be a list of integers")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        self._check("n", self.n == 1, "only n=1 is supported")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            value = getattr(self, name)
+            self._check(name, isinstance(value, bool), f"{name} must be true or false, got {value!r}")
+        self._int("n", self.n, 1, MAX_N)
+        self._real("temperature", self.temperature)
         self._check("temperature", self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        self._real("top_p", self.top_p)
         self._check("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        self._check("top_k", self.top_k >= -1, f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}")
+        self._int("top_k", self.top_k, -1, INT32_MAX)
+        self._real("min_p", self.min_p)
         self._check("min_p", 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
-        self._check("max_tokens", self.max_tokens is None or self.max_tokens >= 1,
-                    f"max_tokens must be at least 1, got {self.max_tokens}")
-        self._check("min_tokens", self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
-        self._check("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-                    f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.seed is not None:
+            self._check("seed", _is_int(self.seed) and SEED_MIN <= self.seed < SEED_END,
+                        f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if self.max_tokens is not None:
+            self._int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        self._int("min_tokens", self.min_tokens, 0, INT32_MAX)
+        self._check("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                    f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            self._int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         self._check("stop", all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
-        self._check("seed", self.seed is None or self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        self._check("stop_token_ids", all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids),
+                    "stop_token_ids must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            self._real(name, value)
+            self._check(name, -MAX_PENALTY <= value <= MAX_PENALTY, f"{name} must be in [-2, 2], got {value}")
+        self._real("repetition_penalty", self.repetition_penalty)
+        self._check("repetition_penalty", 0 < self.repetition_penalty <= MAX_PENALTY,
+                    f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        object.__setattr__(self, "logit_bias", self._checked_logit_bias(self.logit_bias))
+
+    def _checked_logit_bias(self, bias: Any) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        self._check("logit_bias", isinstance(bias, Mapping), "logit_bias must map token ids to biases")
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            self._check("logit_bias", _is_int(token) and 0 <= token <= INT32_MAX,
+                        f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+            self._check("logit_bias", _is_real(value) and abs(value) <= MAX_LOGIT_BIAS,
+                        f"logit_bias values must be in [-100, 100], got {value!r} for token {key!r}")
+            out[int(token)] = float(value)
+        return out or None
 
     @staticmethod
     def _check(param: str, ok: bool, message: str) -> None:
         if not ok:
             raise SamplingParamsError(param, message)
 
+    def _int(self, param: str, value: Any, lo: int, hi: int) -> None:
+        self._check(param, _is_int(value) and lo <= value <= hi,
+                    f"{param} must be an integer in [{lo}, {hi}], got {value!r}")
+
+    def _real(self, param: str, value: Any) -> None:
+        self._check(param, _is_real(value), f"{param} must be a finite number, got {value!r}")
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def uses_logits_processing(self) -> bool:
+        """Whether the sampler must adjust this request's logits (penalties, bias, min_tokens)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or self.logit_bias is not None or self.min_tokens > 0)

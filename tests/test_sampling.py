@@ -1,25 +1,42 @@
 """Sampling against its definition: support and frequencies of top-k / top-p / min-p on a tiny vocabulary,
 seeds, greedy rows, and validation of SamplingParams."""
 
+import math
+
 import jax
 import numpy as np
 import pytest
 
-from llmjax.sampler import SamplingInput, sample
+from llmjax.sampler import PenaltyState, SamplingInput, count_tokens, process_logits, sample
 from llmjax.sampling_params import SamplingParams, SamplingParamsError
 
 PROBS = np.array([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
 N = 6000
 
 
-def draw(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3):
-    logits = np.tile(np.log(PROBS).astype(np.float32), (N, 1))
-    s = SamplingInput(
-        temperature=np.full(N, temperature, np.float32), top_k=np.full(N, top_k, np.int32),
-        top_p=np.full(N, top_p, np.float32), min_p=np.full(N, min_p, np.float32),
-        seeds=np.full(N, seed, np.uint32), output_index=np.arange(N, dtype=np.int32),
+def sampling_input(n: int, **fields) -> SamplingInput:
+    """A `SamplingInput` of n rows: unprocessed, sampling at temperature 1, unless `fields` says otherwise."""
+    defaults = dict(
+        temperature=(1.0, np.float32), top_k=(0, np.int32), top_p=(1.0, np.float32), min_p=(0.0, np.float32),
+        seed_hi=(0, np.uint32), seed_lo=(0, np.uint32), sample_index=(0, np.int32), output_index=(0, np.int32),
+        penalty_row=(0, np.int32), processed=(False, bool), keep=(True, bool), in_min_tokens=(False, bool),
+        presence_penalty=(0.0, np.float32), frequency_penalty=(0.0, np.float32), repetition_penalty=(1.0, np.float32),
     )
-    tokens, logprobs, _, _ = jax.jit(sample)(logits, s)
+    arrays = {name: np.broadcast_to(np.asarray(fields.get(name, value), dtype), (n,)).copy()
+              for name, (value, dtype) in defaults.items()}
+    return SamplingInput(**arrays)
+
+
+def empty_state(rows: int, vocab: int) -> PenaltyState:
+    return PenaltyState(np.zeros((rows, vocab), np.int32), np.zeros((rows, vocab), bool),
+                        np.zeros((rows, vocab), np.float32), np.zeros((rows, vocab), bool))
+
+
+def draw(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3, seed_hi=0, sample_index=0):
+    logits = np.tile(np.log(PROBS).astype(np.float32), (N, 1))
+    s = sampling_input(N, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed_lo=seed,
+                       seed_hi=seed_hi, sample_index=sample_index, output_index=np.arange(N))
+    (tokens, logprobs, _, _), _ = jax.jit(sample)(logits, s, empty_state(1, len(PROBS)))
     return np.asarray(tokens), np.asarray(logprobs)
 
 
@@ -68,6 +85,77 @@ def test_same_seed_same_draws_other_seed_differs():
     b, _ = draw(seed=11)
     c, _ = draw(seed=12)
     assert np.array_equal(a, b) and not np.array_equal(a, c)
+    high, _ = draw(seed=11, seed_hi=1)  # the high word of a 64-bit seed matters
+    sibling, _ = draw(seed=11, sample_index=1)  # each of n samples has its own stream
+    assert not np.array_equal(a, high) and not np.array_equal(a, sibling)
+    extreme, _ = draw(seed=2**32 - 1, seed_hi=2**32 - 1)  # seed 2**64 - 1
+    assert_frequencies(extreme, PROBS)
+
+
+# --- logits processing against a per-token NumPy reference of vLLM's formulas -------------------------
+def reference_processing(logits, prompt, output, bias, stop_ids, in_min_tokens, presence, frequency, repetition):
+    """One row: logit bias, min_tokens, then repetition, frequency and presence penalties, token by token."""
+    out = logits.astype(np.float64).copy()
+    for token, value in bias.items():
+        out[token] += value
+    if in_min_tokens:
+        for token in stop_ids:
+            out[token] = -np.inf
+    for token in range(len(out)):
+        if token in prompt or token in output:
+            out[token] = out[token] / repetition if out[token] > 0 else out[token] * repetition
+        count = output.count(token)
+        out[token] -= frequency * count + (presence if count else 0.0)
+    return out
+
+
+def test_logits_processing_matches_the_reference():
+    rng = np.random.default_rng(0)
+    vocab, rows = 12, 5
+    logits = rng.normal(0, 2, (rows, vocab)).astype(np.float32)
+    cases = [  # (prompt, output, bias, stop ids, in_min_tokens, presence, frequency, repetition)
+        ([1, 2, 3], [3, 3, 4], {}, [], False, 0.5, 0.0, 1.0),
+        ([0, 5], [5, 6, 6, 6], {}, [], False, 0.0, 0.7, 1.0),
+        ([1, 7, 8], [8, 9], {}, [], False, 0.0, 0.0, 1.8),
+        ([2], [2, 3], {4: -100.0, 5: 3.5}, [0, 11], True, -1.5, -2.0, 0.4),
+        ([4, 4], [], {}, [], False, 0.0, 0.0, 1.0),  # an unprocessed row: untouched
+    ]
+    state = empty_state(rows + 1, vocab)
+    counts, prompt_mask = np.array(state.output_counts), np.array(state.prompt_mask)
+    bias, stop_mask = np.array(state.logit_bias), np.array(state.min_tokens_mask)
+    for row, (prompt, output, b, stops, *_) in enumerate(cases):
+        counts[row] = np.bincount(output, minlength=vocab)
+        prompt_mask[row] = np.bincount(prompt, minlength=vocab) > 0
+        for token, value in b.items():
+            bias[row, token] = value
+        stop_mask[row, stops] = True
+    state = PenaltyState(counts, prompt_mask, bias, stop_mask)
+    s = sampling_input(rows, penalty_row=np.arange(rows), processed=[True] * 4 + [False],
+                       in_min_tokens=[c[4] for c in cases], presence_penalty=[c[5] for c in cases],
+                       frequency_penalty=[c[6] for c in cases], repetition_penalty=[c[7] for c in cases])
+    got = np.asarray(jax.jit(process_logits)(logits, s, state))
+    for row, (prompt, output, b, stops, in_min, pres, freq, rep) in enumerate(cases):
+        if row == 4:
+            expected = logits[row]
+        else:
+            expected = reference_processing(logits[row], prompt, output, b, stops, in_min, pres, freq, rep)
+        np.testing.assert_allclose(got[row], expected, rtol=1e-5, atol=1e-5)
+    # greedy sampling takes the argmax of the processed logits; logprobs stay those of the raw logits
+    (tokens, logprobs, _, _), _ = jax.jit(sample)(logits, sampling_input(rows, temperature=0.0, **{
+        f: getattr(s, f) for f in ("penalty_row", "processed", "in_min_tokens", "presence_penalty",
+                                   "frequency_penalty", "repetition_penalty")}), state)
+    np.testing.assert_array_equal(np.asarray(tokens), got.argmax(-1))
+    raw = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(logprobs), raw[np.arange(rows), got.argmax(-1)], rtol=1e-5, atol=1e-5)
+
+
+def test_only_kept_tokens_of_processed_rows_are_counted():
+    state = empty_state(4, 6)
+    s = sampling_input(3, penalty_row=[0, 1, 3], processed=[True, True, False], keep=[True, False, True])
+    counts = np.asarray(jax.jit(count_tokens)(state, np.array([2, 4, 5], np.int32), s).output_counts)
+    expected = np.zeros((4, 6), np.int32)
+    expected[0, 2] = 1  # row 1's token was not kept (a prefill chunk's); row 3 is unprocessed
+    np.testing.assert_array_equal(counts, expected)
 
 
 @pytest.mark.parametrize(
@@ -75,7 +163,17 @@ def test_same_seed_same_draws_other_seed_differs():
     [
         (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
         (dict(top_k=-2), "top_k"), (dict(min_p=2), "min_p"), (dict(max_tokens=0), "max_tokens"),
-        (dict(logprobs=99), "logprobs"), (dict(n=2), "n"), (dict(stop=[""]), "stop"), (dict(seed=-1), "seed"),
+        (dict(logprobs=99), "logprobs"), (dict(stop=[""]), "stop"),
+        (dict(top_k=2**31), "top_k"), (dict(top_k=1.5), "top_k"), (dict(seed=2**64), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"), (dict(seed=1.0), "seed"), (dict(temperature=math.inf), "temperature"),
+        (dict(temperature=math.nan), "temperature"), (dict(top_p=math.nan), "top_p"), (dict(n=0), "n"),
+        (dict(n=65), "n"), (dict(max_tokens=2**31), "max_tokens"), (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+        (dict(logprobs=True), "logprobs"), (dict(ignore_eos="yes"), "ignore_eos"),
+        (dict(skip_special_tokens=1), "skip_special_tokens"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-2.01), "frequency_penalty"),
+        (dict(repetition_penalty=0), "repetition_penalty"), (dict(repetition_penalty=2.5), "repetition_penalty"),
+        (dict(logit_bias={1: 100.5}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={"abc": 1.0}), "logit_bias"), (dict(logit_bias=[1, 2]), "logit_bias"),
     ],
 )
 def test_invalid_values_name_their_field(kwargs, param):
@@ -86,3 +184,11 @@ def test_invalid_values_name_their_field(kwargs, param):
 
 def test_stop_accepts_a_single_string():
     assert SamplingParams(stop="END").stop == ("END",)
+
+
+def test_extreme_valid_values_are_accepted():
+    for seed in (2**64 - 1, -(2**63), 1099511627776):
+        assert SamplingParams(seed=seed).seed == seed
+    assert SamplingParams(top_k=2**31 - 1).top_k == 2**31 - 1
+    assert SamplingParams(logit_bias={"5": 1, 7: -100}).logit_bias == {5: 1.0, 7: -100.0}
+    assert SamplingParams(temperature=1e-9).greedy
