@@ -1,7 +1,10 @@
-"""Pallas kernels (interpret mode on CPU) against the pure-JAX references, and lowered for CUDA.
+"""Pallas kernels against the pure-JAX references, and lowered for CUDA.
 
-Unwritten outputs cannot pass: Pallas' interpreter fills every output buffer with NaN
-before the kernel runs (`test_interpreter_poisons_outputs` pins that premise), the
+Kernels run natively on a GPU and in interpret mode elsewhere (`INTERPRET`); the CUDA
+lowering runs on any host (`pallas_kernels.platform.lower_for_cuda`).
+Unwritten outputs cannot pass in interpret mode: Pallas' interpreter fills every output
+buffer with NaN before the kernel runs (`test_interpreter_poisons_outputs` pins that
+premise; natively an unwritten element is whatever memory held), the
 kernels write every element by construction, and every test asserts the whole output
 finite and equal to the reference, padded tokens included (the reference gives zeros
 there). The caches hold NaN outside the requests' contexts, so a masked key that leaks
@@ -23,9 +26,11 @@ from tests.attention_cases import make_batch, random_cache, rng  # noqa: F401  (
 from llmjax.attention import get_attention_backend, xla
 from pallas_kernels import (flash_attention, mla_ragged_paged_attention, paged_attention,
                             ragged_paged_attention)
+from pallas_kernels.platform import default_interpret, lower_for_cuda, on_gpu
 from pallas_kernels.ragged_paged_attention import plan_tiles
 
 BS = 16  # block size: the kernels need powers of two >= 16
+INTERPRET = default_interpret()  # native on a GPU, interpret mode elsewhere
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
@@ -36,7 +41,7 @@ def assert_matches(out, ref, dtype):
 
 
 def lowers_for_cuda(f, *args):
-    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    lower_for_cuda(f, *args)
 
 
 def test_interpreter_poisons_outputs():
@@ -113,7 +118,7 @@ def test_ragged(rng, kind, group, decode_only, dtype):
     q, k, v, layer = gqa_inputs(rng, batch, num_kv_heads=2, group=group, dtype=dtype)
     args = (layer, *batch.args())
     out = ragged_paged_attention(q, k, v, *args, sm_scale=0.25, decode_only=decode_only,
-                                 interpret=True)
+                                 interpret=INTERPRET)
     ref = jax.jit(functools.partial(xla.ragged_paged_attention, sm_scale=0.25,
                                     decode_only=decode_only))(*f32(q, k, v), *args)
     assert out.dtype == q.dtype
@@ -133,7 +138,7 @@ def test_ragged_rejects_unsupported_shapes(rng):
     batch = make_batch(rng, "decode", block_size=8)
     q, k, v, layer = gqa_inputs(rng, batch, num_kv_heads=1, group=1)
     with pytest.raises(ValueError, match="block_size"):
-        ragged_paged_attention(q, k, v, layer, *batch.args(), sm_scale=1.0, interpret=True)
+        ragged_paged_attention(q, k, v, layer, *batch.args(), sm_scale=1.0, interpret=INTERPRET)
 
 
 # --- paged decode attention (split-K) ---
@@ -145,7 +150,7 @@ def test_paged_decode(rng, num_splits):
     qsl, seq_lens, tables, _ = batch.args()
     rows = q[qsl[:-1]]  # padded requests read a padded token: their output must be 0
     out = paged_attention(rows, k, v, layer, seq_lens, tables, sm_scale=0.25,
-                          num_splits=num_splits, interpret=True)
+                          num_splits=num_splits, interpret=INTERPRET)
     n = seq_lens.shape[0]
     ref = xla.ragged_paged_attention(rows, k, v, layer, jnp.arange(n + 1), seq_lens, tables,
                                      jnp.int32(n), sm_scale=0.25, decode_only=True)
@@ -173,7 +178,7 @@ def test_mla(rng, kind, heads, decode_only, dtype):
     ql, qr, lat, layer = mla_inputs(rng, batch, heads=heads, dtype=dtype)
     args = (layer, *batch.args())
     out = mla_ragged_paged_attention(ql, qr, lat, *args, sm_scale=0.2, decode_only=decode_only,
-                                     interpret=True)
+                                     interpret=INTERPRET)
     ref = jax.jit(functools.partial(xla.mla_ragged_paged_attention, sm_scale=0.2,
                                     decode_only=decode_only))(*f32(ql, qr, lat), *args)
     assert_matches(out, ref, dtype)
@@ -212,7 +217,7 @@ def test_flash(rng, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype):
     q = jnp.asarray(rng.standard_normal((2, q_len, heads, head_dim)), dtype)
     k = jnp.asarray(rng.standard_normal((2, kv_len, kv_heads, head_dim)), dtype)
     v = jnp.asarray(rng.standard_normal((2, kv_len, kv_heads, head_dim)), dtype)
-    out = flash_attention(q, k, v, causal=causal, block_q=16, block_k=16, interpret=True)
+    out = flash_attention(q, k, v, causal=causal, block_q=16, block_k=16, interpret=INTERPRET)
     assert out.shape == q.shape and out.dtype == dtype
     assert_matches(out, dense_attention(q, k, v, causal=causal, q_offset=kv_len - q_len), dtype)
 
@@ -226,13 +231,19 @@ def test_flash_lowers_for_cuda(head_dim, dtype):
 
 # --- backend selection ---
 
-def test_backend_names():
-    on_gpu = jax.default_backend() == "gpu"
-    assert get_attention_backend(None).name == ("pallas" if on_gpu else "xla")
+def test_backend_names(monkeypatch):
+    from llmjax.attention import backend
+    assert get_attention_backend(None).name == backend.default_backend_name()
     assert get_attention_backend("xla").ragged_paged_attention is xla.ragged_paged_attention
+    # xla stays the default on a GPU until gpu_check has passed on that JAX version
+    assert backend.default_backend_name("gpu", "0.11.2") == "xla"
+    assert backend.default_backend_name("cpu", "0.11.2") == "xla"
+    monkeypatch.setattr(backend, "PALLAS_VERIFIED_JAX", ("0.11.2",))
+    assert backend.default_backend_name("gpu", "0.11.2") == "pallas"
+    assert backend.default_backend_name("cpu", "0.11.2") == "xla"
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("cudnn")
-    if not on_gpu:
+    if not on_gpu():
         with pytest.raises(ValueError, match="needs a GPU"):
             get_attention_backend("pallas")
 
@@ -248,5 +259,5 @@ def test_pallas_interpret_backend_in_scan(rng):
             return None, backend.ragged_paged_attention(q, k, v, layer, *args, sm_scale=0.25)
         return jax.jit(lambda: jax.lax.scan(body, None, jnp.arange(2, dtype=jnp.int32))[1])()
 
-    out = all_layers(get_attention_backend("pallas-interpret"))
+    out = all_layers(get_attention_backend("pallas-interpret" if INTERPRET else "pallas"))
     assert_matches(out, all_layers(get_attention_backend("xla")), jnp.float32)

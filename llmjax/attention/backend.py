@@ -3,6 +3,12 @@
 The model calls `backend.ragged_paged_attention(...)` and
 `backend.mla_ragged_paged_attention(...)` with the signatures of `llmjax.attention.xla`
 (from inside `lax.scan` over layers, inside `jax.jit`); `sm_scale` must be a Python float.
+
+The default is "xla" everywhere, a GPU included, until `experiments/gpu_check.py` has passed
+on a GPU with the running JAX version: the Pallas kernels are tested in interpret mode and
+lowered for CUDA on CPU, but Triton's native compilation, its numerics and its speed are only
+known once that script has run. Its passing JAX versions go in `PALLAS_VERIFIED_JAX`; on
+those, a GPU defaults to "pallas". Asking for "pallas" by name always works on a GPU.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import jax
 
 BACKENDS = ("xla", "pallas", "pallas-interpret")
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+PALLAS_VERIFIED_JAX: tuple[str, ...] = ()  # JAX versions on which gpu_check.py passed on a GPU
 
 
 @dataclass(frozen=True)
@@ -24,10 +31,12 @@ class AttentionBackend:
     mla_ragged_paged_attention: Callable[..., jax.Array]
 
 
-def default_backend_name(platform: str | None = None) -> str:
-    """"pallas" on a GPU, "xla" elsewhere."""
+def default_backend_name(platform: str | None = None, jax_version: str | None = None) -> str:
+    """"pallas" on a GPU whose JAX version is in PALLAS_VERIFIED_JAX, "xla" otherwise."""
     platform = platform or jax.default_backend()
-    return "pallas" if platform in _GPU_PLATFORMS else "xla"
+    jax_version = jax_version or jax.__version__
+    verified = jax_version in PALLAS_VERIFIED_JAX
+    return "pallas" if platform in _GPU_PLATFORMS and verified else "xla"
 
 
 def get_attention_backend(name: str | None = None) -> AttentionBackend:
