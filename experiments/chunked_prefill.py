@@ -12,7 +12,7 @@ TTFT of the long prompts, p99 and max ITL of the decodes, output tokens/s. Two w
 1. the real engine on this CPU, preset `tiny-gqa`, wall clock (`common.replay_engine`);
 2. the simulator, OPT-13B on an A100-40GB cost model (`llmjax.sim.A100_40GB_OPT_13B`).
 
-    python experiments/chunked_prefill.py [--budgets 64,128,256] [--sim-budgets 128,256,512,1024,2048]
+    python experiments/chunked_prefill.py [--budgets 64,128,256] [--sim-budgets 128,256,512,1024,2048] [--quick]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import RESULTS, EngineConfig, TraceRequest, make_engine, replay_engine, replay_sim, table, \
-    warm_engine, write_report  # noqa: E402
+from common import EngineConfig, TraceRequest, change, make_engine, replay_engine, replay_sim, results_dir, \
+    table, warm_engine, write_report  # noqa: E402
 from paper_repro.traces import poisson_arrivals, random_tokens  # noqa: E402
 
 
@@ -95,11 +95,18 @@ def main() -> None:
     ap.add_argument("--budgets", default="64,128,256")
     ap.add_argument("--sim-budgets", default="128,256,512,1024,2048")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="smoke run: one CPU budget, shorter decodes, two simulated "
+                    "budgets; written to build/results-quick/")
     args = ap.parse_args()
+    if args.quick:
+        args.budgets, args.sim_budgets = "64", "256,1024"
+    out = results_dir(args.quick)
+    cpu_decode_out = 100 if args.quick else 700
     budgets = [int(b) for b in args.budgets.split(",")]
     sim_budgets = [int(b) for b in args.sim_budgets.split(",")]
 
-    cpu_trace = workload(args.seed, 512, decodes=16, decode_out=700, longs=8, long_len=250, rate=8.0, start=0.1)
+    cpu_trace = workload(args.seed, 512, decodes=16, decode_out=cpu_decode_out, longs=8, long_len=250, rate=8.0,
+                         start=0.1)
 
     def run_cpu(cfg, label):
         engine = make_engine("tiny-gqa", cfg.replace(kv_cache_memory_bytes=64 << 20))
@@ -113,24 +120,25 @@ def main() -> None:
                                                lambda cfg, label: replay_sim(cfg.replace(), sim_trace,
                                                                              progress=f"sim {label}")),
     }
-    RESULTS.mkdir(exist_ok=True)
-    plot(worlds, RESULTS / "chunked_prefill.png")
+    out.mkdir(parents=True, exist_ok=True)
+    plot(worlds, out / "chunked_prefill.png")
     cpu, sim = worlds.values()
     lo, nc = sim[0], sim[-1]
     body = "\n".join([
         "![TTFT vs p99 ITL](chunked_prefill.png)", "",
-        "## Real engine on this CPU: tiny-gqa, 16 running decodes (700 tokens each) and 8 prompts of 250 "
+        f"## Real engine on this CPU: tiny-gqa, 16 running decodes ({cpu_decode_out} tokens each) and 8 prompts of 250 "
         "tokens arriving at 8/s", "",
         table(cpu, COLUMNS), "",
         "## Simulated A100-40GB + OPT-13B: 48 running decodes (600 tokens) and 30 prompts of 1800 tokens at 1/s", "",
         table(sim, COLUMNS), "",
         "ITL is measured over the decodes' tokens produced while long prompts were arriving and prefilling.", "",
-        f"Headline (simulated A100): budget {lo['budget']} vs no chunking: decode p99 ITL {nc['itl_p99_ms']:.0f} -> "
-        f"{lo['itl_p99_ms']:.0f} ms, long-prompt TTFT {nc['ttft_mean_ms']:.0f} -> {lo['ttft_mean_ms']:.0f} ms; "
-        f"CPU engine: p99 ITL {cpu[-1]['itl_p99_ms']:.0f} -> {cpu[0]['itl_p99_ms']:.0f} ms, "
-        f"TTFT {cpu[-1]['ttft_mean_ms']:.0f} -> {cpu[0]['ttft_mean_ms']:.0f} ms.",
+        f"Headline (simulated A100): budget {lo['budget']} against no chunking "
+        f"{change('the decodes p99 ITL', nc['itl_p99_ms'], lo['itl_p99_ms'], 'ms')} and "
+        f"{change('the long prompts mean TTFT', nc['ttft_mean_ms'], lo['ttft_mean_ms'], 'ms')}; on the CPU engine "
+        f"budget {cpu[0]['budget']} {change('p99 ITL', cpu[-1]['itl_p99_ms'], cpu[0]['itl_p99_ms'], 'ms')} and "
+        f"{change('mean TTFT', cpu[-1]['ttft_mean_ms'], cpu[0]['ttft_mean_ms'], 'ms')}.",
     ])
-    write_report("chunked_prefill", "Chunked prefill: token budget sweep", body, worlds)
+    write_report("chunked_prefill", "Chunked prefill: token budget sweep", body, worlds, out)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,14 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `python experiments/x.py` finds llmjax and paper_repro
-RESULTS = ROOT / "results"
 
 from llmjax.config import EngineConfig  # noqa: E402
 from llmjax.kv.manager import KVCacheManager  # noqa: E402
-from llmjax.provenance import write_results  # noqa: E402
+from llmjax.provenance import results_dir, write_results  # noqa: E402
 from llmjax.sampling_params import SamplingParams  # noqa: E402
 from llmjax.sim import A100_40GB_OPT_13B, CostModel, Simulator, TraceRequest  # noqa: E402
+
+RESULTS = results_dir()  # `--quick` runs write to results_dir(quick=True) instead
 
 # GPU-scale setting of the simulated runs: OPT-13B on an A100-40GB, 12 GiB of KV (PagedAttention §6).
 SIM_COST = A100_40GB_OPT_13B
@@ -244,8 +245,17 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def write_report(name: str, title: str, body: str, data: dict) -> None:
-    """Print `body`, write results/<name>.md (with links to its PNGs) and results/<name>.json, both stamped
-    with the commit, command, date, machine and package versions (`llmjax.provenance`)."""
+def write_report(name: str, title: str, body: str, data: dict, out: Path = RESULTS) -> None:
+    """Print `body`, write `out`/<name>.md (with links to its PNGs) and <name>.json, both stamped with the
+    commit, command, date, machine and package versions (`llmjax.provenance`)."""
     print(body)
-    write_results(RESULTS, name, f"# {title}\n\n{body}\n", data)
+    write_results(out, name, f"# {title}\n\n{body}\n", data)
+
+
+def change(what: str, before: float, after: float, unit: str, digits: int = 0, tolerance: float = 0.02) -> str:
+    """A finding's verb computed from the numbers: "cuts <what> X -> Y <unit>", "raises ...", or "leaves
+    <what> about unchanged (X -> Y <unit>)" when the two differ by at most `tolerance` (relative)."""
+    span = f"{before:.{digits}f} -> {after:.{digits}f} {unit}".rstrip()
+    if abs(after - before) <= tolerance * max(abs(before), abs(after)):
+        return f"leaves {what} about unchanged ({span})"
+    return f"{'cuts' if after < before else 'raises'} {what} {span}"

@@ -15,7 +15,7 @@ round-robin gets no accidental affinity, as it would with groups in a fixed orde
    replica, and how often a replica sat idle while another had requests waiting (sampled from the
    replicas' gauges every 100 ms; a request that arrives during a step waits until the next one,
    so short waits count too).
-2. Simulated, at 8-32 replicas: one `llmjax.sim.Simulator` per replica (the real scheduler and KV
+2. Simulated, at 2, 4 and 8 replicas: one `llmjax.sim.Simulator` per replica (the real scheduler and KV
    manager over the A100-40GB + OPT-13B cost model), all stepped on one virtual clock, requests
    routed at their arrival by the very policy objects the HTTP router uses
    (`llmjax.serve.routing`), with each replica's requests in flight as its load. Poisson arrivals
@@ -23,13 +23,20 @@ round-robin gets no accidental affinity, as it would with groups in a fixed orde
    the arrivals (Poisson arrivals see time averages): a replica with nothing to do while another
    holds a request that had arrived before its last step and got no work in it.
 
-The KV pools are sized so one replica holds its share of the prefixes under cache-aware routing but
-not all G of them, the regime where routing decides the hit rate. Round-robin then hits only when a
-group's previous request went to the same replica, about 1 time in N: hence N = 4 by default (at
-N = 2 round-robin would get half of cache-aware's hit rate). Prints the report (table, ratios,
-ratios, targets met) and writes it to results/routing.md, with results/routing.json and .png.
+These setup choices fix the numbers, and the report states each: requests per group R and the
+prefix's share of the prompt set the ceiling no policy beats ((R-1)/R of the prefix share); the KV
+pool size (HTTP: one request more than a replica's share of the groups under cache-aware routing;
+simulated: 12 GiB of OPT-13B KV, whatever number of 1200-token prefixes that holds) against the
+G groups, and the replica count N, set round-robin's level: it hits only where a replica still
+caches the group's prefix, which at a pool that holds few of the G prefixes is when the group's
+previous request went to the same replica, about 1 time in N. The HTTP pools are sized for that
+regime; the simulated pools hold all 4N groups at small N, where round-robin reaches the ceiling
+too. Prints the report (table, ratios, targets met) and writes it to results/routing.md, with
+results/routing.json and .png.
 
-Usage: python experiments/routing.py                     (4 tiny replicas; 8, 16, 32 simulated; ~4 min)
+Usage: python experiments/routing.py                     (4 tiny replicas; 2, 4, 8 simulated; ~4 min)
+       python experiments/routing.py --skip-http         (the simulated part only, seconds)
+       python experiments/routing.py --quick             (smoke run into build/results-quick/)
        python experiments/routing.py --replicas 2 --skip-sim
        python experiments/routing.py --model smollm2 --prefix-len 400 -- --max-model-len 1024
                                                           (flags after -- go to every replica)
@@ -69,7 +76,7 @@ from llmjax.serve import routing
 from llmjax.serve.metrics import parse_metrics
 from llmjax.sim import Simulator, TraceRequest, complete_step
 
-from common import RESULTS, SIM_COST, SIM_KV_BYTES, table, write_report  # experiments/common.py
+from common import SIM_COST, SIM_KV_BYTES, results_dir, table, write_report  # experiments/common.py
 
 POLICIES = ("round_robin", "cache_aware")
 BLOCK_SIZE = 16
@@ -362,6 +369,28 @@ def ratio_row(setting: str, by_policy: dict[str, dict]) -> dict:
             "targets": ", ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in checks.items())}
 
 
+def pool_notes(args: argparse.Namespace, rows: Rows) -> str:
+    """How many requests one replica's KV pool holds against the groups, and round-robin's hit rate as a
+    share of the ceiling per setting: the setup choices that, with the replica count, set its level."""
+    blocks = SIM_KV_BYTES // (SIM_COST.kv_bytes_per_token * SIM_CONFIG.block_size)
+    request = args.sim_prefix_len + args.sim_suffix_len + args.sim_output_len
+    sim_ceiling = (args.per_group - 1) / args.per_group * args.sim_prefix_len / (args.sim_prefix_len + args.sim_suffix_len)
+    shares = [f"{by_policy['round_robin']['hit_rate'] / sim_ceiling:.0%} (cache-aware "
+              f"{by_policy['cache_aware']['hit_rate'] / sim_ceiling:.0%}) at N = {setting.split()[1]}"
+              for setting, by_policy in rows if setting.startswith("sim")]
+    sim = ("" if args.skip_sim else
+           f"A simulated replica's pool holds {blocks * SIM_CONFIG.block_size // request} whole requests of {request} "
+           f"tokens against 4N groups; round-robin's hit rate as a share of the simulated ceiling: {', '.join(shares)}. "
+           "The larger N, the fewer of "
+           "the groups a pool keeps and the closer round-robin falls to hitting only when a group's previous "
+           "request went to the same replica, 1 time in N.")
+    http = ("" if args.skip_http else
+            f" An HTTP replica's pool holds ceil(G/N) + 1 = {math.ceil(args.groups / args.replicas) + 1} requests for "
+            f"G = {args.groups} groups at N = {args.replicas} (chosen so that cache-aware routing's share of the "
+            "groups fits and round-robin's does not): a smaller N or a larger pool would raise round-robin's rate.")
+    return sim + http
+
+
 def report_body(rows: Rows, args: argparse.Namespace) -> str:
     http = (f"- HTTP: {args.replicas} x `{args.model}` replicas on this machine through `llmjax cluster`; "
             f"{args.groups} groups x {args.per_group} requests, system prompts of {args.prefix_len} characters, "
@@ -386,9 +415,8 @@ def report_body(rows: Rows, args: argparse.Namespace) -> str:
                 f", {ceiling:.3f} x {args.prefix_len}/{args.prefix_len + args.suffix_len + 1} = "
                 f"{ceiling * args.prefix_len / (args.prefix_len + args.suffix_len + 1):.1%} over HTTP (one character "
                 "per token, plus BOS)")
-             + ". Round-robin finds a group's prefix only on a replica that still caches it: the group's previous "
-             "request went to the same replica about 1 time in N, and older ones count only where a pool holds "
-             "many prefixes. The HTTP timings come from tiny replicas sharing a small CPU with whatever else runs; "
+             + ". Round-robin finds a group's prefix only on a replica that still caches it. " + pool_notes(args, rows)
+             + " The HTTP timings come from tiny replicas sharing a small CPU with whatever else runs; "
              "the hit rates do not depend on it.")
     measured = [{"setting": setting, "policy": policy, **r,
                  "per_replica": f"{min(r['requests_per_replica'])} / {max(r['requests_per_replica'])}"}
@@ -429,7 +457,7 @@ def main() -> None:
     parser.add_argument("--suffix-len", type=int, default=32, help="HTTP part: question characters")
     parser.add_argument("--max-tokens", type=int, default=8, help="HTTP part: tokens generated per request")
     parser.add_argument("--concurrency", type=int, default=16, help="HTTP part: requests in flight")
-    parser.add_argument("--sim-replicas", type=int, nargs="*", default=[8, 16, 32])
+    parser.add_argument("--sim-replicas", type=int, nargs="*", default=[2, 4, 8])
     parser.add_argument("--sim-rate", type=float, default=3.0, help="Poisson arrivals per second per replica")
     parser.add_argument("--sim-prefix-len", type=int, default=1200)
     parser.add_argument("--sim-suffix-len", type=int, default=100)
@@ -437,9 +465,14 @@ def main() -> None:
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument("--skip-sim", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="smoke run: simulated part only, 2 replicas, 3 "
+                        "requests per group; written to build/results-quick/")
     parser.add_argument("server_args", nargs="*", help="after --: flags for every replica (default for tiny "
                         "presets: " + " ".join(TINY_SERVER_ARGS) + " and a KV pool sized by tiny_server_args)")
     args = parser.parse_args()
+    if args.quick:
+        args.skip_http, args.sim_replicas, args.per_group = True, [2], 3
+    out = results_dir(args.quick)
     if not args.server_args and args.model in PRESETS:
         args.server_args = tiny_server_args(args)
 
@@ -451,9 +484,10 @@ def main() -> None:
     if not args.skip_sim:
         for n, by_policy in sim_part(args).items():
             rows.append((f"sim, {n} x A100 OPT-13B", by_policy))
-    plot(rows, RESULTS / "routing.png")
+    out.mkdir(parents=True, exist_ok=True)
+    plot(rows, out / "routing.png")
     write_report("routing", "Routing: round_robin vs cache_aware", report_body(rows, args),
-                 {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
+                 {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, out)
 
 
 if __name__ == "__main__":

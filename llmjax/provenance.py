@@ -22,6 +22,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("jax", "jaxlib", "flax", "numpy", "torch", "transformers")
 
 
+def results_dir(quick: bool = False) -> Path:
+    """Where results are written: results/ at the repository root; a `--quick` smoke run writes to
+    build/results-quick/ instead, so its small-sample numbers never replace the real ones."""
+    return ROOT / ("build/results-quick" if quick else "results")
+
+
 def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)

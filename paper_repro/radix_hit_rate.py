@@ -13,10 +13,11 @@ Two parts, one run:
    throughput against the KV pool size, FCFS vs LPM, to show eviction under memory pressure.
 
 The paper reports 50-99% hit rates on its benchmarks and up to 6.4x throughput over systems
-without prefix reuse. Writes results/radix_hit_rate.{md,png}.
+without prefix reuse. Writes results/radix_hit_rate.{md,json,png}.
 
 Usage: python -m paper_repro.radix_hit_rate              (5-7 minutes on 2 busy cores)
        python -m paper_repro.radix_hit_rate --skip-engine   (the simulator part only)
+       python -m paper_repro.radix_hit_rate --quick         (smoke run into build/results-quick/)
 """
 
 from __future__ import annotations
@@ -37,16 +38,16 @@ from tqdm import tqdm
 from llmjax.config import EngineConfig
 from llmjax.engine import LLMEngine, RequestOutput
 from llmjax.kv import KVCacheManager
-from llmjax.provenance import write_results
+from llmjax.provenance import results_dir, write_results
 from llmjax.sampling_params import SamplingParams
 from llmjax.sim import A100_40GB_OPT_13B, DUMMY_TOKEN, Simulator, TraceRequest
 from llmjax.workloads import lognormal_lengths
 from paper_repro import traces
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
 MODES = {"off": dict(enable_prefix_caching=False), "fcfs": dict(queue_order="fcfs"), "lpm": dict(queue_order="lpm")}
 MODE_LABELS = {"off": "caching off", "fcfs": "caching on, FCFS", "lpm": "caching on, LPM"}
-PAPER_HIT_RATES = "50-99%"
+PAPER_HIT_RANGE = (0.50, 0.99)
+PAPER_HIT_RATES = f"{PAPER_HIT_RANGE[0]:.0%}-{PAPER_HIT_RANGE[1]:.0%}"
 PAPER_SPEEDUP = 6.4
 
 
@@ -320,21 +321,55 @@ def plot(engine: dict | None, scale: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def engine_findings(engine: dict) -> str:
+    """The engine part's findings, computed: hit rates against the paper's range, CPU-time speedups, how far
+    FCFS and LPM differ, preemptions."""
+    lpm = {w: r["lpm"]["hit_rate"] for w, r in engine.items()}
+    inside = [w for w, h in lpm.items() if PAPER_HIT_RANGE[0] <= h <= PAPER_HIT_RANGE[1]]
+    cpu = [r[m]["cpu_throughput"] / r["off"]["cpu_throughput"] for r in engine.values() for m in ("fcfs", "lpm")]
+    gap = max(abs(r["lpm"]["hit_rate"] - r["fcfs"]["hit_rate"]) for r in engine.values())
+    preempted = sum(r[m]["preemptions"] for r in engine.values() for m in MODES)
+    return (f"LPM's hit rate is {', '.join(f'{100 * h:.0f}%' for h in lpm.values())} on the four workloads: "
+            f"{len(inside)} of {len(lpm)} inside the paper's {PAPER_HIT_RATES}. Caching cuts the CPU time per request "
+            f"by {min(cpu):.2f}-{max(cpu):.2f}x (requests per CPU second over caching off). FCFS and LPM differ by at "
+            f"most {100 * gap:.0f} points of hit rate here. {preempted} preemptions over all runs (the hit rates "
+            "count each request once, at its first admission).")
+
+
+def scale_findings(scale: dict) -> str:
+    """Per simulated workload: hit rates at the smallest and largest pool, and LPM over FCFS in throughput
+    at the smallest."""
+    out = []
+    for name, r in scale.items():
+        f0, l0, o0 = r["fcfs"][0], r["lpm"][0], r["off"][0]
+        f1, l1, o1 = r["fcfs"][-1], r["lpm"][-1], r["off"][-1]
+        lpm_hits = [row["hit_rate"] for row in r["lpm"]]
+        out.append(f"{name}: at the largest pool ({f1['slots']} tokens) FCFS and LPM hit {100 * f1['hit_rate']:.1f}% / "
+                   f"{100 * l1['hit_rate']:.1f}% (caching off serves {o1['throughput']:.1f} req/s, caching on "
+                   f"{l1['throughput']:.1f}); at the smallest ({f0['slots']}) FCFS falls to {100 * f0['hit_rate']:.1f}% "
+                   f"while LPM keeps {100 * l0['hit_rate']:.1f}% (over all pools LPM ranges "
+                   f"{100 * min(lpm_hits):.0f}-{100 * max(lpm_hits):.0f}%) and serves {l0['throughput'] / f0['throughput']:.2f}x "
+                   f"FCFS's requests/s ({o0['throughput']:.2f} with caching off).")
+    return " ".join(out)
+
+
+def summary(scale: dict) -> dict:
+    """The README's simulator numbers: few-shot at the smallest pool."""
+    r = next(iter(scale.values()))
+    return {"pool_tokens": r["fcfs"][0]["slots"], "fcfs_hit_rate": r["fcfs"][0]["hit_rate"],
+            "lpm_hit_rate": r["lpm"][0]["hit_rate"]}
+
+
 def report(engine: dict | None, scale: dict, args: argparse.Namespace) -> str:
     engine_section = "(skipped: --skip-engine)" if not engine else "\n".join(engine_table(engine))
     kv_tokens = next(iter(next(iter(engine.values())).values()))["kv_tokens"] if engine else 0
-    best = max((r[m]["cpu_throughput"] / r["off"]["cpu_throughput"] for r in engine.values() for m in ("fcfs", "lpm")),
-               default=float("nan")) if engine else float("nan")
-    return f"""# Prefix-cache hit rates: RadixAttention (SGLang) on our engine
-
-`python -m paper_repro.radix_hit_rate{' --skip-engine' if not engine else ''}`
-
-![hit rates](radix_hit_rate.png)
-
-The paper (Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs", 2024)
+    skipped = 1 - 1 / PAPER_SPEEDUP
+    return f"""The paper (Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs", 2024)
 reports cache hit rates of {PAPER_HIT_RATES} on its benchmarks (few-shot, multi-turn chat, tree of
 thought, long-document QA, agents) and up to {PAPER_SPEEDUP}x throughput over systems without
 prefix reuse, on GPUs and 7B-70B models.
+
+![hit rates](radix_hit_rate.png)
 
 ## 1. The real engine on CPU
 
@@ -342,48 +377,41 @@ SmolLM2-135M (embedded model), xla attention, float32, {args.engine_kv_mib} MiB 
 tokens, so some workloads evict), block size 16, at most 256 tokens and 8 requests per step, greedy,
 {args.max_tokens} output tokens per request, all requests of a round submitted at once (multi-turn chat:
 a round per turn, each prompt carrying the model's real earlier replies). Prompts are random token ids
-in the model's vocabulary. Hit rate = cached prompt tokens / prompt tokens over all admissions (with no
-preemptions, as here, that is each request's first admission); throughput = requests per wall second;
-the speedup also per CPU second of the process (the work saved: steadier than wall time on these two
-shared cores); TTFT includes queueing behind the other requests of the round.
+in the model's vocabulary. Hit rate = cached prompt tokens / prompt tokens, each request counted at its
+first admission (a request re-admitted after a preemption finds its own blocks cached, which is not a
+prefix hit); throughput = requests per wall second; the speedup also per CPU second of the process (the
+work saved: steadier than wall time on these two shared cores); TTFT includes queueing behind the other
+requests of the round.
 
 {engine_section}
 
-Best speedup here (CPU time): {best:.1f}x. The hit rates land in the paper's range, near each workload's
-ceiling: the first request of each task, document or tree finds nothing; the question and any partial last
-page of a shared prefix are always computed (matches are whole 16-token pages and leave one prompt token
-to compute). On CPU a step's cost is nearly all prefill compute, so the speedup follows the share of prompt
-tokens that need none; the paper's larger multiples come from longer shared prefixes (were prefill the whole
-cost, 6.4x would need 84% of it skipped) and GPU batching. The runs last seconds on a shared machine, so
-wall-clock differences of a few tens of percent are noise, and CPU time moves too when the machine's
-load changes between runs: where FCFS and LPM find the same hits they schedule the same work. With the
-pool holding all the shared prefixes, FCFS and LPM find nearly the same hits; their difference shows
-under memory pressure, below.
+{engine_findings(engine) if engine else ""}
+
+How to read it: the first request of each task, document or tree finds nothing; the question and any
+partial last page of a shared prefix are always computed (matches are whole 16-token pages and leave one
+prompt token to compute). On CPU a step's cost is nearly all prefill compute, so the speedup follows the
+share of prompt tokens that need none; were prefill the whole cost, the paper's {PAPER_SPEEDUP}x would need
+{skipped:.0%} of it skipped. The runs last seconds on a shared machine, so wall-clock differences of a few
+tens of percent are noise; CPU time moves too when the machine's load changes between runs.
 
 ## 2. The simulator at scale
 
 OPT-13B on an A100-40GB (cost model `llmjax.sim.A100_40GB_OPT_13B`), our scheduler (2048 tokens,
 256 requests per step) and KV manager with prefix caching, block size 16, pool size swept. Few-shot:
 80 tasks whose 5 examples make a 320-token prefix, 20 questions of 32 tokens each, interleaved,
-Poisson at 30 req/s (more than the pool can serve without hits), outputs log-normal with mean 32.
-Chat: 300 conversations of 5 turns sharing a 128-token system prompt, conversations starting at
-4/s, each turn an exponential think time (mean 60 s) after the previous one, replies log-normal
-with mean 80 tokens (the replies in the prompts are the simulator's dummy tokens). Seed {args.seed}.
-Hit rate here counts each request's first admission only: a request re-admitted after a preemption
-finds its own blocks cached, which is not a prefix hit.
+Poisson at 30 req/s, outputs log-normal with mean 32. Chat: 300 conversations of 5 turns sharing a
+128-token system prompt, conversations starting at 4/s, each turn an exponential think time (mean 60 s)
+after the previous one, replies log-normal with mean 80 tokens (the replies in the prompts are the
+simulator's dummy tokens). Seed {args.seed}. Hit rate counts each request's first admission only.
 
 {chr(10).join(scale_table(scale))}
 
-When the pool holds the working set (every task's examples; every live conversation's history), the
-hit rate reaches the workload's ceiling: 86% for few-shot (all but each task's first request and the
-questions), 82% for chat (all but each turn's new user message and partial pages). Below that, LRU
-eviction drops prefixes before their reuse and FCFS's hit rate falls (few-shot: 12% at 4k tokens). LPM
-admits the queued requests that share a cached prefix together, before it is evicted, so it keeps
-69-79%; it does best where the pool is smallest because there the system falls furthest behind and the
-queue it reorders is longest. Few-shot requests arrive at 30 req/s: without caching the simulated GPU
-serves about 13 req/s; with hits it keeps up (the ~28 req/s here is the arrival rate diluted by the
-drain at the end), and at 4k tokens LPM serves 2.4x as many as FCFS. Chat turns are paced by think
-time, so its throughput is the arrival rate at every size and the gain shows in time to first token.
+{scale_findings(scale)}
+
+How to read it: below the working set (every task's examples; every live conversation's history), LRU
+eviction drops prefixes before their reuse; LPM admits the queued requests that share a cached prefix
+together, before it is evicted. Chat turns are paced by think time, so there the gain shows in time to
+first token rather than in requests/s.
 """
 
 
@@ -395,17 +423,28 @@ def main() -> None:
     parser.add_argument("--pool-tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-engine", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--quick", action="store_true", help="smoke run: the simulator at two pool sizes, no "
+                        "engine; written to build/results-quick/")
+    parser.add_argument("--out", type=Path, default=None, help="default: results/ (quick: build/results-quick/)")
     args = parser.parse_args()
+    if args.quick:
+        args.skip_engine, args.pool_tokens = True, [4096, 65536]
+    out = args.out or results_dir(args.quick)
     engine = None if args.skip_engine else engine_part(args)
     scale = scale_part(args)
     if engine:
         print("\n" + "\n".join(engine_table(engine)))
     print("\n" + "\n".join(scale_table(scale)))
-    args.out.mkdir(parents=True, exist_ok=True)
-    plot(engine, scale, args.out / "radix_hit_rate.png")
-    write_results(args.out, "radix_hit_rate", report(engine, scale, args), {})
-    print(f"wrote {args.out / 'radix_hit_rate.md'}, .json and .png")
+    out.mkdir(parents=True, exist_ok=True)
+    plot(engine, scale, out / "radix_hit_rate.png")
+    command = "python -m paper_repro.radix_hit_rate" + (" --skip-engine" if args.skip_engine else "")
+    write_results(out, "radix_hit_rate", f"# Prefix-cache hit rates: RadixAttention (SGLang) on our engine\n\n"
+                  f"`{command}`\n\n" + report(engine, scale, args),
+                  {"engine": engine, "scale": {**scale, "summary": summary(scale)},
+                   "paper": {"hit_rate_min": PAPER_HIT_RANGE[0], "hit_rate_max": PAPER_HIT_RANGE[1],
+                             "speedup": PAPER_SPEEDUP},
+                   "args": {k: v for k, v in vars(args).items() if k != "out"}})
+    print(f"wrote {out / 'radix_hit_rate.md'}, .json and .png")
 
 
 if __name__ == "__main__":
