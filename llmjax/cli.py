@@ -9,48 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmjax.config import EngineConfig
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
-    parser.add_argument("model", nargs="?", default=None,
-                        help="'smollm2' (default, the embedded model), a preset (tiny-gqa, ...), a .gguf file or a HF folder")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    parser.add_argument("--block-size", type=int, default=d.block_size)
-    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
-    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                        default=d.enable_chunked_prefill)
-    parser.add_argument("--kv-cache-memory", type=int, default=None, dest="kv_cache_memory_bytes",
-                        help="KV cache budget in bytes (default: 1 GiB on CPU)")
-    parser.add_argument("--scheduling-policy", choices=["continuous", "static", "dynamic"], default=d.scheduling_policy)
-    parser.add_argument("--queue-order", choices=["fcfs", "lpm"], default=d.queue_order)
-    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="static/dynamic batch size")
-    parser.add_argument("--max-delay", type=float, default=d.max_delay, help="dynamic batching timeout (s)")
-    parser.add_argument("--attention-backend", choices=["xla", "pallas", "pallas-interpret"], default=None)
-    parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
-                        help="shard the model over this many devices (docs/parallelism.md)")
-    parser.add_argument("--coordinator-address", default=None,
-                        help="host:port of process 0 in a multi-host run (jax.distributed)")
-    parser.add_argument("--num-processes", type=int, default=None, help="processes in a multi-host run")
-    parser.add_argument("--process-id", type=int, default=None, help="this process's rank in a multi-host run")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        block_size=args.block_size, max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, scheduling_policy=args.scheduling_policy,
-        queue_order=args.queue_order, batch_size=args.batch_size, max_delay=args.max_delay,
-        attention_backend=args.attention_backend, dtype=args.dtype, seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size, coordinator_address=args.coordinator_address,
-        num_processes=args.num_processes, process_id=args.process_id,
-    )
+from llmjax.engine_args import add_engine_args, engine_config_from_args
+from llmjax.serve.server import UVICORN_LOG_LEVELS, add_serve_args
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -68,19 +28,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    import uvicorn
+    from llmjax.serve.server import run_server
 
-    from llmjax.engine import LLMEngine
-    from llmjax.models.loader import resolve_source
-    from llmjax.serve.api import build_app
-
-    name = args.served_model_name or resolve_source(args.model).name
-    engine = LLMEngine.from_config(args.model, engine_config_from_args(args), seed=args.seed)
-    if args.warmup:
-        engine.warmup()
-    app = build_app(engine, name)
-    print(f"serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    run_server(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -119,13 +69,7 @@ def main(argv: list[str] | None = None) -> None:
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None, help="the name clients send (default: the model's)")
-    serve.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                       help="compile the common step shapes before accepting requests")
-    serve.add_argument("--uvicorn-log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     from llmjax.bench import add_bench_args
@@ -140,8 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     router.add_argument("--workers", required=True, help="comma-separated replica URLs: http://h1:8000,http://h2:8000")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
-    router.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    router.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     add_router_args(router)
     router.set_defaults(func=cmd_router)
 
@@ -153,11 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     cluster.add_argument("--replica-base-port", type=int, default=None,
                          help="replica i listens on 127.0.0.1:(this + i) (default: --port + 1)")
     cluster.add_argument("--replica-startup-timeout", type=float, default=900.0, help="seconds")
-    cluster.add_argument("--served-model-name", default=None, help="the name clients send (default: the model's)")
-    cluster.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                         help="replicas compile the common step shapes before accepting requests")
-    cluster.add_argument("--uvicorn-log-level", default="info",
-                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_serve_args(cluster, address=False)  # the replicas' flags
     add_router_args(cluster)
     cluster.set_defaults(func=cmd_cluster)
 

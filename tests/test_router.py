@@ -1,8 +1,10 @@
 """The router end to end: real uvicorn servers on 127.0.0.1 (`tests/server_helpers.py`).
 
-Two tiny-model replicas behind a cache-aware router: prefix families stick to one replica, and
-stopping a replica in the middle of a run loses no later request. Health-check removal and
-recovery, and retries on a 503, use stub workers (no model) whose health can be switched.
+Two tiny-model replicas behind a cache-aware router: prefix families stick to one replica,
+stopping a replica in the middle of a run loses no later request, and a hundred poison requests
+leave both healthy. Health-check removal and recovery, retries on a 503 and relayed errors use
+stub workers (no model) whose answers can be switched. `llmjax cluster` runs as a subprocess for
+the supervision test (a replica killed under load comes back).
 """
 
 from __future__ import annotations
@@ -10,6 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -106,50 +113,12 @@ async def _one(base_url: str, prompt: str, stream: bool):
         return await send(client, prompt, stream)
 
 
-def test_stopping_a_replica_mid_run_loses_no_later_request(replicas):
-    urls, stacks = replicas
-    # A health interval far longer than the test: only the retry before the first byte can save
-    # the requests sent to the stopped replica (the health check is tested with stubs below).
-    with running_server(build_router_app(urls, CacheAware(), 3600)) as router:
-        done, stopped_at = [], []  # (start, status, worker, text); when replica 1 had stopped
-
-        def stop_second_replica_soon():
-            while len(done) < 8:
-                time.sleep(0.01)
-            stacks[1].close()  # graceful: requests it holds finish, then the port closes
-            stopped_at.append(time.monotonic())
-
-        def after_stop() -> list[tuple]:
-            return [d for d in done if stopped_at and d[0] > stopped_at[0]]
-
-        async def client_loop(client: httpx.AsyncClient, c: int):
-            for i in range(200):
-                if len(after_stop()) >= 8:
-                    return
-                start = time.monotonic()
-                status, worker, text = await send(client, family_prompt(c % NUM_FAMILIES, i), stream=i % 2 == 0)
-                done.append((start, status, worker, text))
-
-        async def run():
-            async with httpx.AsyncClient(base_url=router, timeout=TIMEOUT) as client:
-                await asyncio.gather(*(client_loop(client, c) for c in range(4)))
-
-        stopper = threading.Thread(target=stop_second_replica_soon)
-        stopper.start()
-        asyncio.run(run())
-        stopper.join()
-        assert all(status == 200 and len(text) == 4 for _, status, _, text in done), done
-        assert len(after_stop()) >= 8 and all(worker == urls[0] for _, _, worker, _ in after_stop())
-        workers = {w["url"]: w for w in httpx.get(f"{router}/workers", timeout=TIMEOUT).json()}
-        assert workers[urls[1]]["up"] is False and workers[urls[0]]["in_flight"] == 0
-        assert metrics(router)["llmjax:router_worker_failures_total"] >= 1
-
-
 class StubWorker:
-    """A worker without a model: `/health` and `/v1/completions` answer 200, or 503 when told."""
+    """A worker without a model: `/health` and `/v1/completions` answer 200, or an error when told."""
 
     def __init__(self, name: str):
         self.healthy = self.serving = True
+        self.fail_with: int | None = None  # answer completions with this error status
         self.name = name
         self.app = FastAPI()
         self.app.add_api_route("/health", lambda: Response(status_code=200 if self.healthy else 503))
@@ -158,6 +127,8 @@ class StubWorker:
     def complete(self):
         if not self.serving:
             return JSONResponse({"error": {"message": "engine dead"}}, status_code=503)
+        if self.fail_with is not None:
+            return JSONResponse({"error": {"message": "refused", "code": self.fail_with}}, status_code=self.fail_with)
         return {"choices": [{"text": self.name}]}
 
 
@@ -206,8 +177,31 @@ def test_a_503_before_the_first_byte_is_retried_on_another_worker():
             running_server(build_router_app([url_a, url_b], RoundRobin(), 3600)) as router:
         assert [complete_stub(router) for _ in range(4)] == ["a"] * 4
         m = metrics(router)
-        assert m["llmjax:router_worker_failures_total"] == 1  # then b is down: no more attempts there
-        assert m["llmjax:router_requests_total"] == 5
+        # round robin keeps trying b; each 503 is retried on a, and b stays up: an answer is no
+        # reason to take a worker down (its /health decides)
+        failures = m["llmjax:router_worker_failures_total"]
+        assert failures >= 2 and m["llmjax:router_requests_total"] == 4 + failures
+        assert all(w["up"] for w in httpx.get(f"{router}/workers", timeout=TIMEOUT).json())
+        b.serving = True
+        assert sorted(complete_stub(router) for _ in range(2)) == ["a", "b"]
+
+
+def test_errors_are_relayed_and_do_not_take_a_worker_down():
+    a = StubWorker("a")
+    with running_server(a.app) as url_a, \
+            running_server(build_router_app([url_a], RoundRobin(), 3600)) as router:
+        for status in (400, 404, 500, 502):
+            a.fail_with = status
+            r = httpx.post(f"{router}/v1/completions", json={"prompt": "x"}, timeout=TIMEOUT)
+            assert r.status_code == status and r.json()["error"]["code"] == status, r.text
+        a.fail_with = None
+        assert complete_stub(router) == "a"
+        [worker] = httpx.get(f"{router}/workers", timeout=TIMEOUT).json()
+        assert worker["up"] and worker["in_flight"] == 0
+        m = metrics(router)
+        assert m["llmjax:router_worker_failures_total"] == 0 and m["llmjax:router_requests_total"] == 5
+        r = httpx.get(f"{router}/no-such-route", timeout=TIMEOUT)  # the router's own errors: OpenAI's shape
+        assert r.status_code == 404 and r.json()["error"]["code"] == 404
 
 
 def test_tenants_are_routed_apart_and_each_sticks_to_its_worker():
@@ -222,3 +216,199 @@ def test_tenants_are_routed_apart_and_each_sticks_to_its_worker():
         first = [served("tenant-1", system + "q0"), served("tenant-2", system + "q0")]
         assert sorted(first) == ["a", "b"]  # the second tenant does not follow the first one's text
         assert [served(t, system + f"q{i}") for i in (1, 2) for t in ("tenant-1", "tenant-2")] == first * 2
+
+
+# --- poison requests, a killed replica ----------------------------------------------------------------------------
+POISON = [
+    # (body or raw bytes, acceptable statuses): bad values must get a 4xx and harm nothing
+    ({"prompt": "hi", "max_tokens": 2, "top_k": 2147483648}, {400}),
+    ({"prompt": "hi", "max_tokens": 2, "seed": 1099511627776}, {200}),  # valid: a seed above 32 bits
+    ({"prompt": "hi", "max_tokens": 2, "seed": 2**64}, {400}),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', {400}),
+    ({"prompt": [5, 10**6], "max_tokens": 2}, {400}),
+    ({"prompt": "hi", "max_tokens": 10**12}, {400}),
+    ({"prompt": "hi", "logprobs": 1000}, {400}),
+    ({"prompt": "hi", "n": 10**6}, {400}),
+    ({"prompt": "hi", "logit_bias": {"99999999": 5}}, {400}),
+    ({"prompt": "hi", "top_k": 10**6}, {400}),
+    ({"prompt": "hi", "stop": [""]}, {400}),
+    ({"prompt": "hi", "response_format": {"type": "json_object"}}, {400}),
+    (b'{"model": "tiny", "prompt": ', {400}),
+]
+
+
+def test_poison_requests_through_the_router_leave_every_replica_healthy(replicas):
+    urls, _ = replicas
+    with running_server(build_router_app(urls, RoundRobin(), 3600)) as router:
+        async def one(client: httpx.AsyncClient, body) -> int:
+            if isinstance(body, bytes):
+                r = await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            else:
+                r = await client.post("/v1/completions", json={"model": MODEL, **body})
+            if r.status_code != 200:
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+            return r.status_code
+
+        async def run():
+            async with httpx.AsyncClient(base_url=router, timeout=TIMEOUT) as client:
+                jobs = [POISON[i % len(POISON)] for i in range(100)]
+                statuses = await asyncio.gather(*(one(client, body) for body, _ in jobs))
+                return list(zip(jobs, statuses))
+
+        for (body, allowed), status in asyncio.run(run()):
+            assert status in allowed, (body, status)
+        for url in urls:
+            for path in ("/health", "/debug/kv_invariants"):
+                assert httpx.get(url + path, timeout=TIMEOUT).status_code == 200, (url, path)
+        assert all(w["up"] for w in httpx.get(f"{router}/workers", timeout=TIMEOUT).json())
+        for i in range(4):  # both replicas still serve
+            assert asyncio.run(_one(router, family_prompt(i, 0), stream=i % 2 == 0))[0] == 200
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[tuple[int, str, str]]:
+    """(pid, state, command line) of the processes whose parent is `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid:
+            found.append((int(entry), state, cmdline))
+    return found
+
+
+def _replica_pids(cluster_pid: int) -> list[int]:
+    return [pid for pid, _, cmd in _children(cluster_pid) if "spawn_main" in cmd and "resource_tracker" not in cmd]
+
+
+def test_cluster_restarts_a_killed_replica_and_loses_no_unstarted_request(tmp_path):
+    """`llmjax cluster` with two tiny replicas under load: one replica is killed with SIGKILL.
+    Every request that had not started streaming succeeds (the router retries it on the other
+    replica), the supervisor restarts the killed one (reaped: no zombie), and SIGTERM stops all."""
+    port, base = _free_port(), _free_port()
+    cmd = [sys.executable, "-m", "llmjax.cli", "cluster", "tiny-gqa", "--replicas", "2", "--port", str(port),
+           "--replica-base-port", str(base), "--served-model-name", MODEL, "--no-warmup", "--block-size", "8",
+           "--max-model-len", "128", "--kv-cache-memory", str(4 << 20), "--attention-backend", "xla",
+           "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--health-check-interval", "0.5",
+           "--health-failure-threshold", "1", "--uvicorn-log-level", "warning"]
+    log_path = tmp_path / "cluster.log"
+    with open(log_path, "w") as log:
+        cluster = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    router = f"http://127.0.0.1:{port}"
+
+    def workers_up() -> list[bool]:
+        try:
+            return [w["up"] for w in httpx.get(f"{router}/workers", timeout=10).json()]
+        except httpx.TransportError:
+            return []
+
+    try:
+        wait_for(lambda: workers_up() == [True, True] or cluster.poll() is not None, timeout=600)
+        assert cluster.poll() is None, log_path.read_text()
+        pids = _replica_pids(cluster.pid)
+        assert len(pids) == 2, _children(cluster.pid)
+        results, killed = [], []  # (stream, status, chunks received, ok)
+
+        async def client_loop(client: httpx.AsyncClient, c: int):
+            for i in range(1000):
+                if killed and len([r for r in results if r[0] > killed[0]]) >= 12 and workers_up() == [True, True]:
+                    return
+                results.append((time.monotonic(), *await _attempt(client, family_prompt(c, i), stream=i % 2 == 0)))
+                if len(results) == 8 and not killed:
+                    os.kill(pids[1], signal.SIGKILL)
+                    killed.append(time.monotonic())
+
+        async def run():
+            async with httpx.AsyncClient(base_url=router, timeout=TIMEOUT) as client:
+                await asyncio.wait_for(asyncio.gather(*(client_loop(client, c) for c in range(4))), 600)
+
+        asyncio.run(run())
+        for _, stream, status, chunks, ok in results:
+            assert ok or (stream and chunks > 0), (stream, status, chunks)  # only started streams may fail
+        assert len([r for r in results if r[0] > killed[0]]) >= 12
+        assert "restarted" in log_path.read_text()
+        assert len(_replica_pids(cluster.pid)) == 2
+        assert not [c for c in _children(cluster.pid) if c[1] == "Z"], _children(cluster.pid)  # reaped
+    finally:
+        cluster.send_signal(signal.SIGTERM)
+        try:
+            cluster.wait(60)
+        finally:
+            if cluster.poll() is None:
+                cluster.kill()
+    assert not _children(cluster.pid)
+
+
+async def _attempt(client: httpx.AsyncClient, prompt: str, stream: bool) -> tuple[bool, int, int, bool]:
+    """(stream, status, data chunks received, ok: 200 with the full answer) of one completion."""
+    body = {**GREEDY, "prompt": prompt, "stream": stream}
+    chunks = 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if not stream:
+                raw = (await r.aread()).decode()
+                ok = r.status_code == 200 and len(json.loads(raw)["choices"][0]["text"]) == 4
+                return stream, r.status_code, 0, ok
+            text, done, error = "", False, False
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunks += 1
+                    event = json.loads(line[6:])
+                    error = error or "error" in event
+                    text += "".join(c["text"] for c in event.get("choices", []))
+            return stream, r.status_code, chunks, r.status_code == 200 and done and not error and len(text) == 4
+    except httpx.HTTPError:
+        return stream, 0, chunks, False
+
+
+# --- last: it stops the module's second replica ---------------------------------------------------------------------
+def test_stopping_a_replica_mid_run_loses_no_later_request(replicas):
+    urls, stacks = replicas
+    # A health interval far longer than the test: only the retry before the first byte can save
+    # the requests sent to the stopped replica (the health check is tested with stubs below).
+    with running_server(build_router_app(urls, CacheAware(), 3600)) as router:
+        done, stopped_at = [], []  # (start, status, worker, text); when replica 1 had stopped
+
+        def stop_second_replica_soon():
+            while len(done) < 8:
+                time.sleep(0.01)
+            stacks[1].close()  # graceful: requests it holds finish, then the port closes
+            stopped_at.append(time.monotonic())
+
+        def after_stop() -> list[tuple]:
+            return [d for d in done if stopped_at and d[0] > stopped_at[0]]
+
+        async def client_loop(client: httpx.AsyncClient, c: int):
+            for i in range(200):
+                if len(after_stop()) >= 8:
+                    return
+                start = time.monotonic()
+                status, worker, text = await send(client, family_prompt(c % NUM_FAMILIES, i), stream=i % 2 == 0)
+                done.append((start, status, worker, text))
+
+        async def run():
+            async with httpx.AsyncClient(base_url=router, timeout=TIMEOUT) as client:
+                await asyncio.gather(*(client_loop(client, c) for c in range(4)))
+
+        stopper = threading.Thread(target=stop_second_replica_soon)
+        stopper.start()
+        asyncio.run(run())
+        stopper.join()
+        assert all(status == 200 and len(text) == 4 for _, status, _, text in done), done
+        assert len(after_stop()) >= 8 and all(worker == urls[0] for _, _, worker, _ in after_stop())
+        workers = {w["url"]: w for w in httpx.get(f"{router}/workers", timeout=TIMEOUT).json()}
+        assert workers[urls[1]]["up"] is False and workers[urls[0]]["in_flight"] == 0
+        assert metrics(router)["llmjax:router_worker_failures_total"] >= 1

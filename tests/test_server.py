@@ -1,33 +1,47 @@
 """The HTTP server end to end: a real uvicorn server on 127.0.0.1 over a tiny random model.
 
-One server for the module. KV health is checked through `/health`, which runs the engine's
-`check_kv_invariants` on the loop thread (503 if they fail); "no block in use" through `/metrics`.
+One server for the module (a few tests build their own app: API key, a dead engine loop). KV
+health is checked through `/debug/kv_invariants`, which runs the engine's `check_kv_invariants` on
+the loop thread (503 if they fail); "no block in use" through `/metrics`. Every error case is
+followed by a good request.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import socket
+import threading
 import time
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from llmjax.config import ConfigError
 from llmjax.serve.api import build_app
 from llmjax.serve.metrics import parse_metrics
+from llmjax.serve.server import is_loopback, resolve_api_key, serve_app
 from tests.engine_helpers import tiny_engine
 from tests.server_helpers import running_server
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 128
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 @pytest.fixture(scope="module")
-def base_url():
+def app():
     engine = tiny_engine(max_num_seqs=32, kv_cache_memory_bytes=4 << 20, max_model_len=MAX_MODEL_LEN)
-    with running_server(build_app(engine, MODEL)) as url:
+    return build_app(engine, MODEL)
+
+
+@pytest.fixture(scope="module")
+def base_url(app):
+    with running_server(app) as url:
         yield url
 
 
@@ -54,8 +68,9 @@ def wait_idle(client: httpx.Client, timeout: float = 30.0) -> dict[str, float]:
 def assert_no_leak(client: httpx.Client) -> None:
     m = wait_idle(client)
     assert m["llmjax:kv_cache_usage_perc"] == 0.0
-    health = client.get("/health")
-    assert health.status_code == 200, health.text
+    for path in ("/health", "/debug/kv_invariants"):
+        r = client.get(path)
+        assert r.status_code == 200, r.text
 
 
 def sse_events(raw: str) -> list[dict]:
@@ -178,7 +193,7 @@ COMPLETION_ERRORS = [
     ({"prompt": "x", "top_p": 0}, 400, "top_p", "top_p must be"),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens must be"),
     ({"prompt": "x", "logprobs": 50}, 400, "logprobs", "logprobs must be"),
-    ({"prompt": "x", "n": 2}, 400, "n", "only n=1"),
+    ({"prompt": "x", "n": 0}, 400, "n", "n must be"),
     ({"prompt": "x", "best_of": 2}, 400, "best_of", "only best_of=1"),
     ({"prompt": ""}, 400, "prompt", "prompt"),
     ({"prompt": []}, 400, "prompt", "prompt"),
@@ -300,11 +315,329 @@ def test_tenant_isolation(client):
     assert metrics(client)["llmjax:prefix_cache_hits_total"] - hits_before == hit
 
 
+def _samples(client: httpx.Client, name: str) -> dict[tuple, float]:
+    """Label values (sorted by label name) -> value of one metric's samples."""
+    text = client.get("/metrics").text
+    return {tuple(v for _, v in sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples if s.name == name}
+
+
 def test_metrics_names(client):
+    _good_request(client)
     m = metrics(client)
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
                  "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
-                 "e2e_request_latency_seconds_count"):
+                 "e2e_request_latency_seconds_count", "request_success_total", "request_decode_time_seconds_count",
+                 "request_prompt_tokens_count", "request_generation_tokens_count", "engine_errors_total",
+                 "cache_config_info"):
         assert f"llmjax:{name}" in m, name
     assert m["llmjax:e2e_request_latency_seconds_count"] > 0 and m["llmjax:prompt_tokens_total"] > 0
+    [(labels, value)] = _samples(client, "llmjax:cache_config_info").items()
+    assert value == 1 and labels[0] == "8"  # block_size (tiny_engine's), the first label by name
+
+
+def test_request_metrics_count_each_finished_request(client):
+    def snapshot():
+        success = _samples(client, "llmjax:request_success_total")
+        return ({labels[0]: v for labels, v in success.items()}, metrics(client))
+
+    success_before, before = snapshot()
+    complete(client, prompt="abcd", max_tokens=5, ignore_eos=True)  # 5 prompt tokens (BOS + 4), 5 generated
+    complete(client, prompt="abcd", max_tokens=3, stop_token_ids=[_token(client, c) for c in LETTERS])
+    success, after = snapshot()
+
+    def delta(name: str) -> float:
+        return after[f"llmjax:{name}"] - before[f"llmjax:{name}"]
+
+    assert success["length"] - success_before.get("length", 0) >= 1
+    assert sum(success.values()) - sum(success_before.values()) == 2
+    assert delta("request_prompt_tokens_count") == 2 and delta("request_prompt_tokens_sum") == 10
+    assert delta("request_generation_tokens_count") == 2 and 6 <= delta("request_generation_tokens_sum") <= 8
+    assert delta("request_decode_time_seconds_count") == 2
+
+
+# --- what the schemas refuse ---------------------------------------------------------------------------------
+def _assert_error(r: httpx.Response, status: int, param: str | None, contains: str = "") -> None:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and contains in error["message"], error
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def _good_request(client: httpx.Client) -> None:
+    assert complete(client, prompt="still fine", max_tokens=2)["choices"][0]["finish_reason"]
+
+
+UNSUPPORTED = ["response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "guided_json",
+               "guided_regex", "guided_choice", "guided_grammar", "suffix", "prompt_logprobs", "user", "bad_words"]
+
+
+@pytest.mark.parametrize("field", UNSUPPORTED)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_unsupported_fields_are_refused_by_name(client, path, field):
+    body = {"model": MODEL, "max_tokens": 2, field: {"type": "json_object"}}
+    body.update({"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]})
+    _assert_error(client.post(path, json=body), 400, field, f"`{field}` is not supported")
+    _good_request(client)
+
+
+def test_continue_final_message_is_refused(client):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "continue_final_message": True}
+    _assert_error(client.post("/v1/chat/completions", json=body), 400, "continue_final_message", "not supported")
+    _good_request(client)
+
+
+STRICT_ERRORS = [
+    # (completion fields, param): values of the wrong type or out of range
+    ({"stream": "yes"}, "stream"),
+    ({"echo": 1}, "echo"),
+    ({"ignore_eos": "true"}, "ignore_eos"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_tokens": 5.0}, "max_tokens"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"stop": 5}, "stop"),
+    ({"model": 5}, "model"),
+    ({"top_k": 2147483648}, "top_k"),
+    ({"top_k": -2}, "top_k"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"n": 1000}, "n"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"cache_salt": ""}, "cache_salt"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": [1, True]}, "prompt"),
+    ({"prompt": [[1, 2], "ab"]}, "prompt"),
+    ({"prompt": {"text": "x"}}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("fields,param", STRICT_ERRORS)
+def test_strict_values(client, fields, param):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, **fields}
+    _assert_error(client.post("/v1/completions", json=body), 400, param)
+    _good_request(client)
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}',
+                                 b'{"prompt": "x", "temperature": -Infinity}'])
+def test_non_finite_numbers_are_refused(client, raw):
+    r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] in ("temperature", "top_p"), r.text
+    _good_request(client)
+
+
+CHAT_STRICT_ERRORS = [
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name"),
+    ({"messages": [{"role": "user"}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content"),
+    ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+]
+
+
+@pytest.mark.parametrize("fields,param", CHAT_STRICT_ERRORS)
+def test_chat_strict_values(client, fields, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **fields}
+    _assert_error(client.post("/v1/chat/completions", json=body), 400, param)
+    _good_request(client)
+
+
+@pytest.mark.parametrize("method,path,content,status", [
+    ("GET", "/no/such/route", None, 404),
+    ("GET", "/v1/completions", None, 405),
+    ("POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400),
+    ("POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400),
+    ("POST", "/v1/completions", b'["a list", "not an object"]', 400),
+])
+def test_framework_errors_are_openai_errors(client, method, path, content, status):
+    r = client.request(method, path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    _good_request(client)
+
+
+# --- parameters that work ------------------------------------------------------------------------------------------
+def _token(client: httpx.Client, char: str) -> int:
+    [token] = client.post("/tokenize", json={"prompt": char, "add_special_tokens": False}).json()["tokens"]
+    return token
+
+
+def test_logit_bias_changes_what_is_sampled(client, app):
+    body = {"prompt": "bias test ", "temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    plain = complete(client, **body)["choices"][0]["text"]
+    banned = max(set(plain), key=plain.count)
+    # CharTokenizer: every id >= 3 is one character, chr(32 + (id - 3) % 95); ban each id of this one
+    ids = [t for t in range(3, app.state.server.vocab_size) if chr(32 + (t - 3) % 95) == banned]
+    text = complete(client, **body, logit_bias={str(t): -100 for t in ids})["choices"][0]["text"]
+    assert banned not in text and len(text) == 12
+    forced = complete(client, **body, logit_bias={str(_token(client, "Q")): 100})["choices"][0]["text"]
+    assert forced == "Q" * 12
+    with_seed = {**body, "temperature": 1.0, "seed": 1099511627776}  # a seed above 32 bits
+    assert complete(client, **with_seed)["choices"][0]["text"] == complete(client, **with_seed)["choices"][0]["text"]
+
+
+def test_penalties_reach_the_sampler(client):
+    body = {"prompt": "repeat repeat repeat ", "temperature": 0, "max_tokens": 24, "ignore_eos": True}
+    plain = complete(client, **body)["choices"][0]["text"]
+    for penalty in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"repetition_penalty": 2.0}):
+        text = complete(client, **body, **penalty)["choices"][0]["text"]
+        assert len(text) == 24 and text != plain, penalty
+        # a penalized greedy run repeats a character no more often than the plain one
+        assert max(map(text.count, set(text))) <= max(map(plain.count, set(plain))), penalty
+    assert_no_leak(client)
+
+
+def test_add_generation_prompt(client):
+    messages = [{"role": "user", "content": "hi"}]
+
+    def usage(add: bool) -> int:
+        r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2,
+                                                      "add_generation_prompt": add})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    for add in (True, False):
+        expected = client.post("/tokenize", json={"messages": messages, "add_generation_prompt": add}).json()["count"]
+        assert usage(add) == expected
+    assert usage(True) - usage(False) == len("<assistant>")  # CharTokenizer's assistant header
+
+
+def test_models_advertise_a_context_the_pool_holds(client):
+    [card] = client.get("/v1/models").json()["data"]
+    assert card["max_model_len"] == MAX_MODEL_LEN
+    with pytest.raises(ConfigError, match="larger than the KV cache can hold"):
+        build_app(tiny_engine(kv_cache_memory_bytes=64 << 10, max_model_len=MAX_MODEL_LEN), MODEL)
+
+
+# --- health, failures -----------------------------------------------------------------------------------------------
+def test_health_answers_while_the_loop_is_busy(client, base_url, app):
+    """`/health` reads the heartbeat: it answers while the loop thread is held inside a command;
+    the KV scan (`/debug/kv_invariants`) runs on the loop thread, so it waits for it."""
+    gate, holding = threading.Event(), threading.Event()
+
+    def hold(_engine) -> None:
+        holding.set()
+        gate.wait(60)
+
+    holder = threading.Thread(target=lambda: asyncio.run(app.state.server.async_engine.call(hold)))
+    holder.start()
+    try:
+        assert holding.wait(30)
+        assert client.get("/health", timeout=10).status_code == 200
+        with pytest.raises(httpx.TimeoutException):
+            httpx.get(f"{base_url}/debug/kv_invariants", timeout=0.5)
+    finally:
+        gate.set()
+        holder.join()
+    assert client.get("/debug/kv_invariants").status_code == 200
+    _good_request(client)
+
+
+def test_an_error_while_admitting_fails_only_that_request(client, app):
+    tokenizer = app.state.server.tokenizer
+    encode = tokenizer.encode
+
+    def poisoned(text, *args, **kwargs):
+        if "POISON" in text:
+            raise RuntimeError("tokenizer failure")
+        return encode(text, *args, **kwargs)
+
+    errors_before = metrics(client)["llmjax:engine_errors_total"]
+    tokenizer.encode = poisoned
+    try:
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "POISON", "max_tokens": 2})
+    finally:
+        tokenizer.encode = encode
+    assert r.status_code == 500 and "tokenizer failure" in r.json()["error"]["message"], r.text
+    assert metrics(client)["llmjax:engine_errors_total"] == errors_before + 1
+    _good_request(client)
+    assert_no_leak(client)
+
+
+def test_a_dead_engine_loop_fails_health_and_exits_non_zero():
+    engine = tiny_engine(kv_cache_memory_bytes=1 << 20, max_model_len=64)
+    app = build_app(engine, MODEL)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    status = []
+    thread = threading.Thread(target=lambda: status.append(serve_app(app, "127.0.0.1", port, "warning")))
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.05)
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60).status_code == 200
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    engine.step = broken_step  # an error the engine could not contain: the loop dies
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 500 and "device lost" in r.json()["error"]["message"], r.text
+    problem = app.state.server.async_engine.health()
+    assert problem is not None and "device lost" in problem
+    thread.join(60)
+    assert status == [1]  # the server stopped by itself, with a failure status for its supervisor
+
+
+# --- API key, CORS ----------------------------------------------------------------------------------------------------
+def test_api_key_and_cors():
+    app = build_app(tiny_engine(kv_cache_memory_bytes=1 << 20, max_model_len=64), MODEL, api_key="sekrit",
+                    allowed_origins=("http://ui.example",))
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    with running_server(app) as url, httpx.Client(base_url=url, timeout=120) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+            r = c.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+            assert c.get("/v1/models", headers=headers).status_code == 401
+        auth = {"Authorization": "Bearer sekrit"}
+        assert c.post("/v1/completions", json=body, headers=auth).status_code == 200
+        assert c.get("/v1/models", headers=auth).status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200  # open
+        preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization,content-type"}
+        r = c.options("/v1/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
+        r = c.post("/v1/completions", json=body, headers={**auth, "Origin": "http://ui.example"})
+        assert r.headers["access-control-allow-origin"] == "http://ui.example"
+        r = c.options("/v1/completions", headers={**preflight, "Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in r.headers
+
+
+def test_no_cors_by_default(client):
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                    headers={"Origin": "http://ui.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_api_key_from_the_environment_and_loopback_hosts(monkeypatch):
+    args = argparse.Namespace(api_key=None)
+    monkeypatch.delenv("LLMJAX_API_KEY", raising=False)
+    assert resolve_api_key(args) is None
+    monkeypatch.setenv("LLMJAX_API_KEY", "from-env")
+    assert resolve_api_key(args) == "from-env"
+    assert resolve_api_key(argparse.Namespace(api_key="flag")) == "flag"
+    assert [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "10.1.2.3", "example.com")] == \
+        [True, True, True, False, False, False]

@@ -1,19 +1,23 @@
-"""The OpenAI-compatible HTTP API (FastAPI): `build_app(engine, model_name)`.
+"""The OpenAI-compatible HTTP API (FastAPI): `build_app(engine, model_name, api_key, allowed_origins)`.
 
 Endpoints: `/v1/completions`, `/v1/chat/completions` (both with `stream`), `/v1/models`,
-`/health`, `/metrics`, `/tokenize`, `/detokenize`.
+`/health`, `/metrics`, `/tokenize`, `/detokenize`, `/debug/kv_invariants`.
 
 - The app's lifespan starts and stops the `AsyncEngine` loop thread; handlers never touch the
   engine directly (the tokenizer, read-only, is shared with the loop thread).
-- Errors are OpenAI error objects: 400 for schema errors, malformed JSON, bad sampling values
-  (`SamplingParamsError`) and prompts the engine refuses (`RequestError`: empty, too long);
-  404 for an unknown model; 503 when the engine loop is dead. A refused request leaves nothing
-  queued, so it never affects other requests.
+- Errors are OpenAI error objects (`llmjax/serve/asgi.py`): 400 for schema errors (unknown
+  fields included), malformed JSON, bad sampling values (`SamplingParamsError`) and prompts the
+  engine refuses (`RequestError`: empty, too long); 401 without the API key (when one is set);
+  404 for an unknown model or route; 500 for an unexpected error; 503 when the engine loop is
+  dead. A refused request leaves nothing queued, so it never affects other requests.
+- The app refuses to be built (`ConfigError`) when the KV pool cannot hold one `max_model_len`
+  request, so `/v1/models` advertises a context length the pool can serve.
 - Streaming is server-sent events (`data: {json}\\n\\n`, ending `data: [DONE]\\n\\n`).
 - A client that disconnects aborts its requests: streamed responses abort when the response
   ends for any reason; non-streamed handlers race the generation against the disconnect.
-- `/health` is 200 when the loop is alive and the KV invariants hold (checked on the loop thread
-  at each call and whenever it goes idle), else 503 with the reason.
+- `/health` answers from the loop's heartbeat without waiting for it (`AsyncEngine.health`): 200
+  while the loop is alive, else 503 with the reason. `/debug/kv_invariants` scans the KV pool on
+  the loop thread between steps (200, or 503 with the violation).
 """
 
 from __future__ import annotations
@@ -25,16 +29,20 @@ import logging
 import time
 from typing import AsyncIterator, Callable
 
+import jax
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from llmjax.engine import LLMEngine, RequestError, RequestOutput
+from llmjax.config import ConfigError
+from llmjax.engine import LLMEngine, RequestError
+from llmjax.outputs import CompletionOutput, OutputAccumulator, RequestFailedError, RequestOutput
 from llmjax.sampling_params import SamplingParams, SamplingParamsError
 from llmjax.serve import protocol as p
+from llmjax.serve.asgi import RequireAPIKey, error_response, install_error_handlers, wait_for_disconnect
 from llmjax.serve.async_engine import AsyncEngine, EngineDeadError, OutputStream
 from llmjax.serve.metrics import ServerMetrics
 
@@ -47,19 +55,14 @@ class APIError(Exception):
         self.status, self.param, self.code = status, param, code
 
 
-def _error(status: int, message: str, param: str | None = None, code: str | int | None = None,
-           type_: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(p.error_body(message, type_, param, code), status_code=status)
-
-
-def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    parts = [".".join(str(x) for x in e["loc"][1:]) for e in errors]
-    message = "; ".join(f"{where}: {e['msg']}" if where else e["msg"] for where, e in zip(parts, errors))
-    for e in errors:
-        if e["type"] == "json_invalid":
-            return _error(400, f"malformed JSON: {e.get('ctx', {}).get('error', e['msg'])}")
-    return _error(400, message, parts[0] if errors and parts[0] else None)
+def check_kv_capacity(engine: LLMEngine) -> None:
+    """Raise `ConfigError` when the KV pool cannot hold one request of `max_model_len` tokens."""
+    max_len, usable = engine.config.max_model_len, engine.num_blocks - 1
+    if engine.kv.num_blocks_for(max_len) > usable:
+        raise ConfigError(
+            f"max_model_len ({max_len}) is larger than the KV cache can hold ({usable} blocks of "
+            f"{engine.config.block_size} tokens = {usable * engine.config.block_size} tokens); raise "
+            "--kv-cache-memory or lower --max-model-len")
 
 
 class _EventStream(StreamingResponse):
@@ -87,17 +90,23 @@ class _EventStream(StreamingResponse):
             self.stream.abort()
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+def _raise_if_failed(output: RequestOutput) -> None:
+    """A request the engine failed becomes a server error (500 JSON, or an SSE error event)."""
+    if output.error is not None:
+        raise RequestFailedError(output.error)
 
 
 class OpenAIServer:
     """Request handling over one `AsyncEngine`; `build_app` routes to its methods."""
 
     def __init__(self, engine: LLMEngine, model_name: str):
+        check_kv_capacity(engine)
         self.async_engine = AsyncEngine(engine)
-        self.metrics = ServerMetrics(lambda: self.async_engine.stats, model_name)
+        cache_config = {"block_size": str(engine.config.block_size), "num_blocks": str(engine.num_blocks),
+                        "cache_dtype": str(jax.tree.leaves(engine.runner.cache)[0].dtype),
+                        "enable_prefix_caching": str(engine.config.enable_prefix_caching)}
+        self.metrics = ServerMetrics(lambda: self.async_engine.stats, model_name, engine.config.max_model_len,
+                                     cache_config)
         self.async_engine.on_finished = self.metrics.observe_finished
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.model_config.vocab_size
@@ -133,12 +142,17 @@ class OpenAIServer:
         return stream, index
 
     async def _final_outputs(self, raw: Request, stream: OutputStream) -> dict[str, RequestOutput] | None:
-        """Each request's finished output, or None when the client disconnected first (then aborted)."""
+        """Each request's whole output (accumulated from the engine's deltas), or None when the client
+        disconnected first (then aborted). Raises `RequestFailedError` when the engine failed one."""
 
         async def collect() -> dict[str, RequestOutput]:
-            return {out.request_id: out async for out in stream if out.finished}
+            whole = OutputAccumulator()
+            async for out in stream:
+                _raise_if_failed(out)
+                whole.add(out)
+            return whole.outputs
 
-        work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(_wait_for_disconnect(raw))
+        work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(wait_for_disconnect(raw))
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -148,10 +162,11 @@ class OpenAIServer:
         return work.result() if work in done else None
 
     @staticmethod
-    def _usage(outputs) -> p.Usage:
+    def _usage(outputs: list[RequestOutput]) -> p.Usage:
+        """Usage of finished outputs (their `metrics` count every sample's tokens)."""
         usage = p.Usage()
         for out in outputs:
-            usage.add(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+            usage.add(len(out.prompt_token_ids), out.metrics.num_generation_tokens, out.num_cached_tokens)
         return usage
 
     def _completion_logprobs(self, params: SamplingParams, token_ids: list[int], entries,
@@ -176,30 +191,33 @@ class OpenAIServer:
         for rid, out in outputs.items():
             i = index[rid]
             prefix = self._prompt_text(prompts[i]) if body.echo else ""
-            logprobs = self._completion_logprobs(params, out.token_ids, out.logprobs, 0)
-            choices.append(p.CompletionChoice(index=i, text=prefix + out.text, logprobs=logprobs,
-                                              finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+            for c in out.outputs:
+                logprobs = self._completion_logprobs(params, c.token_ids, c.logprobs, 0)
+                choices.append(p.CompletionChoice(index=i * params.n + c.index, text=prefix + c.text,
+                                                  logprobs=logprobs, finish_reason=c.finish_reason,
+                                                  stop_reason=c.stop_reason))
         choices.sort(key=lambda c: c.index)
         return JSONResponse(p.CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                                 usage=self._usage(outputs.values())).model_dump())
+                                                 usage=self._usage(list(outputs.values()))).model_dump())
 
     async def _completion_chunks(self, stream: OutputStream, index: dict[str, int], prompts: list[p.Prompt],
                                  params: SamplingParams, body: p.CompletionRequest, request_id: str):
-        offsets = {i: 0 for i in index.values()}  # characters sent per choice
+        offsets: dict[int, int] = {}  # characters sent per choice
         finished = []
         async for out in stream:
-            i = index[out.request_id]
-            text = out.delta_text
-            if body.echo and offsets[i] == 0:
-                text = self._prompt_text(prompts[i]) + text
-            want_logprobs = params.logprobs is not None and out.delta_token_ids
-            if not (text or out.finished or want_logprobs):
-                continue
-            logprobs = self._completion_logprobs(params, out.delta_token_ids, out.logprobs, offsets[i])
-            offsets[i] += len(text)
-            choice = p.CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
-                                        stop_reason=out.stop_reason)
-            yield p.CompletionResponse(id=request_id, model=self.model_name, choices=[choice])
+            _raise_if_failed(out)
+            for c in out.outputs:
+                i = index[out.request_id] * params.n + c.index
+                text = c.text
+                if body.echo and i not in offsets:
+                    text = self._prompt_text(prompts[index[out.request_id]]) + text
+                if not (text or c.finished or (params.logprobs is not None and c.token_ids)):
+                    continue
+                logprobs = self._completion_logprobs(params, c.token_ids, c.logprobs, offsets.get(i, 0))
+                offsets[i] = offsets.get(i, 0) + len(text)
+                choice = p.CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                                            stop_reason=c.stop_reason)
+                yield p.CompletionResponse(id=request_id, model=self.model_name, choices=[choice])
             if out.finished:
                 finished.append(out)
         if body.include_usage:
@@ -209,17 +227,18 @@ class OpenAIServer:
     async def chat_completions(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
         params, request_id = body.sampling_params(), p.random_id("chatcmpl")
-        stream, index = await self._open([self._chat_ids(body.messages)], params, request_id, body.cache_salt)
+        prompt_ids = self._chat_ids(body.messages, body.add_generation_prompt)
+        stream, index = await self._open([prompt_ids], params, request_id, body.cache_salt)
         if body.stream:
             return _EventStream(stream, self._chat_chunks(stream, params, body, request_id))
         outputs = await self._final_outputs(raw, stream)
         if outputs is None:
             return Response(status_code=499)
         [out] = outputs.values()
-        choice = p.ChatChoice(index=0, message=p.AssistantMessage(content=out.text),
-                              logprobs=self._chat_logprobs(params, out.token_ids, out.logprobs),
-                              finish_reason=out.finish_reason, stop_reason=out.stop_reason)
-        return JSONResponse(p.ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice],
+        choices = [p.ChatChoice(index=c.index, message=p.AssistantMessage(content=c.text),
+                                logprobs=self._chat_logprobs(params, c.token_ids, c.logprobs),
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in out.outputs]
+        return JSONResponse(p.ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                                      usage=self._usage([out])).model_dump())
 
     def _chat_logprobs(self, params: SamplingParams, token_ids: list[int], entries) -> p.ChatLogprobs | None:
@@ -231,17 +250,20 @@ class OpenAIServer:
 
     async def _chat_chunks(self, stream: OutputStream, params: SamplingParams, body: p.ChatCompletionRequest,
                            request_id: str):
-        def chunk(delta: p.DeltaMessage, **fields) -> p.ChatCompletionChunk:
+        def chunk(index: int, delta: p.DeltaMessage, **fields) -> p.ChatCompletionChunk:
             return p.ChatCompletionChunk(id=request_id, model=self.model_name,
-                                         choices=[p.ChatStreamChoice(index=0, delta=delta, **fields)])
+                                         choices=[p.ChatStreamChoice(index=index, delta=delta, **fields)])
 
-        yield chunk(p.DeltaMessage(role="assistant", content=""))
+        for i in range(params.n):
+            yield chunk(i, p.DeltaMessage(role="assistant", content=""))
         async for out in stream:
-            if not (out.delta_text or out.finished or (params.logprobs is not None and out.delta_token_ids)):
-                continue
-            yield chunk(p.DeltaMessage(content=out.delta_text or None),
-                        logprobs=self._chat_logprobs(params, out.delta_token_ids, out.logprobs or []),
-                        finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            _raise_if_failed(out)
+            for c in out.outputs:
+                if not (c.text or c.finished or (params.logprobs is not None and c.token_ids)):
+                    continue
+                yield chunk(c.index, p.DeltaMessage(content=c.text or None),
+                            logprobs=self._chat_logprobs(params, c.token_ids, c.logprobs or []),
+                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             if out.finished and body.include_usage:
                 yield p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=self._usage([out]))
 
@@ -250,9 +272,15 @@ class OpenAIServer:
         return p.ModelList(data=[p.ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
 
     async def health(self) -> Response:
-        problem = await self.async_engine.check_health()
+        problem = self.async_engine.health()
         if problem:
-            return _error(503, problem, type_="service_unavailable", code=503)
+            return error_response(503, problem, code=503)
+        return Response(status_code=200)
+
+    async def kv_invariants(self) -> Response:
+        problem = self.async_engine.health() or await self.async_engine.check_kv_invariants()
+        if problem:
+            return error_response(503, problem, code=503)
         return Response(status_code=200)
 
     async def metrics_text(self) -> Response:
@@ -275,8 +303,10 @@ class OpenAIServer:
         return p.DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
 
 
-def build_app(engine: LLMEngine, model_name: str) -> FastAPI:
-    """The app; its lifespan runs the engine loop thread. `app.state.server` is the `OpenAIServer`."""
+def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
+              allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+    """The app; its lifespan runs the engine loop thread. `app.state.server` is the `OpenAIServer`.
+    `api_key`: required on `/v1/*` when set. `allowed_origins`: CORS origins (none by default)."""
     server = OpenAIServer(engine, model_name)
 
     @contextlib.asynccontextmanager
@@ -292,6 +322,7 @@ def build_app(engine: LLMEngine, model_name: str) -> FastAPI:
         ("POST", "/v1/chat/completions", server.chat_completions),
         ("GET", "/v1/models", server.models),
         ("GET", "/health", server.health),
+        ("GET", "/debug/kv_invariants", server.kv_invariants),
         ("GET", "/metrics", server.metrics_text),
         ("POST", "/tokenize", server.tokenize),
         ("POST", "/detokenize", server.detokenize),
@@ -299,9 +330,14 @@ def build_app(engine: LLMEngine, model_name: str) -> FastAPI:
     for method, path, handler in routes:
         app.add_api_route(path, handler, methods=[method])
 
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    install_error_handlers(app)
     for bad_request in (RequestError, SamplingParamsError):
-        app.add_exception_handler(bad_request, lambda _, exc: _error(400, str(exc), exc.param))
-    app.add_exception_handler(APIError, lambda _, exc: _error(exc.status, str(exc), exc.param, exc.code))
-    app.add_exception_handler(EngineDeadError, lambda _, exc: _error(503, str(exc), type_="service_unavailable"))
+        app.add_exception_handler(bad_request, lambda _, exc: error_response(400, str(exc), exc.param))
+    app.add_exception_handler(APIError, lambda _, exc: error_response(exc.status, str(exc), exc.param, exc.code))
+    app.add_exception_handler(EngineDeadError, lambda _, exc: error_response(503, str(exc), code=503))
+    if api_key:
+        app.add_middleware(RequireAPIKey, api_key=api_key)
+    if allowed_origins:  # outermost, so preflight requests never need the key
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     return app

@@ -3,21 +3,28 @@
 Threads and ownership:
 - The loop thread (`start`) is the only code that touches the engine. It runs commands from a
   thread-safe command queue between steps, steps while any request is unfinished, and when idle
-  checks the KV invariants once and then blocks on the command queue (no spinning).
+  blocks on the command queue (no spinning).
 - Handlers on the asyncio event loop submit commands (`call`, `abort`) and read their requests'
   outputs from an `OutputStream`, an asyncio queue the loop thread fills with
   `loop.call_soon_threadsafe`.
 - `stats` is an immutable snapshot the loop thread replaces after every step and when idle;
   any thread may read it (the Prometheus collector does).
 - `on_finished(output)` runs on the loop thread for each finished request (metrics observe it).
+- Heartbeat: the loop thread records when the step in progress started (`step_started`, None
+  between steps). `health()` reads it and the thread's state from any thread without waiting
+  for the loop, so it answers at once even during a long step.
 
-If a step raises, the engine is dead: every open stream receives the exception, later commands
-fail with `EngineDeadError`, and `check_health` reports it.
+A command that raises fails only its caller (an exception other than `RequestError` and
+`SamplingParamsError` also counts in `EngineStats.num_engine_errors`). If the loop itself raises
+(a step that the engine could not contain), the engine is dead: every open stream receives the
+exception, later commands fail with `EngineDeadError`, `health()` reports it, and `on_dead()`
+runs once on the loop thread (the server uses it to exit, so a supervisor restarts it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -25,12 +32,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
 
-from llmjax.engine import LLMEngine, RequestOutput
-from llmjax.sampling_params import SamplingParams
+from llmjax.engine import LLMEngine, RequestError, RequestOutput
+from llmjax.sampling_params import SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
 
 STALL_WAIT_S = 0.01  # when a step scheduled nothing (static/dynamic batch not formed yet)
+STEP_TIMEOUT_S = 600.0  # a step running longer than this makes `health()` fail (a hung device)
 
 
 class EngineDeadError(RuntimeError):
@@ -51,6 +59,7 @@ class EngineStats:
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    num_engine_errors: int = 0  # unexpected exceptions in commands (admission) or the loop
 
 
 @dataclass(frozen=True)
@@ -70,12 +79,16 @@ def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None):
+    def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None,
+                 step_timeout_s: float = STEP_TIMEOUT_S):
         self.engine = engine
         self.on_finished = on_finished
+        self.on_dead: Callable[[], None] | None = None
+        self.step_timeout_s = step_timeout_s
         self.stats = EngineStats()
-        self.error: BaseException | None = None  # set when a step raised
-        self.kv_error: str | None = None  # the first failed idle invariant check (sticky)
+        self.error: BaseException | None = None  # set when the loop died
+        self.step_started: float | None = None  # monotonic start of the step in progress (heartbeat)
+        self.num_engine_errors = 0  # loop thread only
         self._commands: queue.Queue[_Command | None] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # loop thread only
         self._thread = threading.Thread(target=self._run, name="llmjax-engine-loop", daemon=True)
@@ -116,16 +129,25 @@ class AsyncEngine:
     def open_stream(self) -> OutputStream:
         return OutputStream(self)
 
-    async def check_health(self) -> str | None:
-        """None when healthy; otherwise why not. Runs `check_kv_invariants` on the loop thread now."""
-        if self.error is not None or not self._thread.is_alive():
-            return f"engine loop is not running: {self.error!r}"
-        if self.kv_error:
-            return f"KV invariant violated while idle: {self.kv_error}"
+    def health(self) -> str | None:
+        """None when the loop is alive and no step has run past `step_timeout_s`; otherwise why not.
+        Reads the heartbeat only: never waits for the loop thread."""
+        if self.error is not None:
+            return f"engine loop died: {self.error!r}"
+        if not self._thread.is_alive():
+            return "engine loop is not running"
+        started = self.step_started
+        if started is not None and time.monotonic() - started > self.step_timeout_s:
+            return f"engine step running for {time.monotonic() - started:.0f} s (limit {self.step_timeout_s:.0f} s)"
+        return None
+
+    async def check_kv_invariants(self) -> str | None:
+        """None when the KV invariants hold; otherwise the violation. Scans the pool on the loop
+        thread between steps (a debug check: its cost grows with the pool)."""
         try:
             await self.call(lambda engine: engine.check_kv_invariants())
         except AssertionError as exc:
-            return f"KV invariant violated: {exc}"
+            return f"KV invariant violated: {exc}" if str(exc) else "KV invariant violated"
         return None
 
     # --- the loop thread ------------------------------------------------------------------------------
@@ -134,7 +156,7 @@ class AsyncEngine:
             stalled = False
             while self._serve_commands(stalled):
                 stalled = self.engine.has_unfinished_requests() and not self._step()
-        except Exception as exc:  # a bug in the engine: fail everything that waits on it
+        except Exception as exc:  # a bug the engine could not contain: fail everything that waits on it
             log.exception("engine loop failed")
             self._die(exc)
 
@@ -143,7 +165,7 @@ class AsyncEngine:
         command; after a step that scheduled nothing (a static/dynamic batch not formed yet), wait up
         to STALL_WAIT_S for one instead of spinning. Returns False on shutdown."""
         if not self.engine.has_unfinished_requests():
-            self._on_idle()
+            self._publish()
             wait = None
         else:
             wait = STALL_WAIT_S if stalled else 0
@@ -166,6 +188,9 @@ class AsyncEngine:
             result = command.fn()
         except Exception as exc:
             error = exc
+            if not isinstance(exc, (RequestError, SamplingParamsError, EngineDeadError)):
+                log.error("engine command failed", exc_info=exc)
+                self.num_engine_errors += 1
         if command.future is not None:
             command.loop.call_soon_threadsafe(_resolve, command.future, result, error)
         elif error is not None:
@@ -175,7 +200,10 @@ class AsyncEngine:
     def _step(self) -> bool:
         """One engine step; deliver its outputs. True when it scheduled any work."""
         steps = self.engine.num_steps
-        for output in self.engine.step():
+        self.step_started = time.monotonic()
+        outputs = self.engine.step()
+        self.step_started = None
+        for output in outputs:
             self._deliver(output)
         self._publish()
         return self.engine.num_steps > steps
@@ -193,15 +221,6 @@ class AsyncEngine:
             if self.on_finished is not None:
                 self.on_finished(output)
 
-    def _on_idle(self) -> None:
-        if self.kv_error is None:
-            try:
-                self.engine.check_kv_invariants()
-            except AssertionError as exc:
-                self.kv_error = str(exc) or "assertion failed"
-                log.error("KV invariant violated while idle: %s", self.kv_error)
-        self._publish()
-
     def _publish(self) -> None:
         engine = self.engine
         usage, prefix = engine.kv.usage(), engine.kv.stats()
@@ -210,14 +229,18 @@ class AsyncEngine:
             kv_usage=usage.usage, kv_blocks_used=usage.used, kv_blocks_cached=usage.cached,
             prefix_queried_tokens=prefix.queried_tokens, prefix_hit_tokens=prefix.hit_tokens,
             num_preemptions=engine.scheduler.num_preemptions, prompt_tokens=engine.num_prompt_tokens,
-            generation_tokens=engine.num_generation_tokens,
+            generation_tokens=engine.num_generation_tokens, num_engine_errors=self.num_engine_errors,
         )
 
     def _die(self, error: BaseException) -> None:
         self.error = error
+        self.num_engine_errors += 1
+        self.stats = dataclasses.replace(self.stats, num_engine_errors=self.num_engine_errors)
         for loop, outputs in self._streams.values():
             loop.call_soon_threadsafe(outputs.put_nowait, error)
         self._streams.clear()
+        if self.on_dead is not None:
+            self.on_dead()
         while (command := self._commands.get()) is not None:  # answer later commands until shutdown
             self._execute(command)
 

@@ -1,11 +1,17 @@
-"""`llmjax cluster --replicas N [serve flags]`: N replicas and the router on one machine.
+"""`llmjax cluster --replicas N [serve flags]`: N supervised replicas and the router on one machine.
 
-Replica i is `llmjax serve` with the same model, engine and serve flags on
+Replica i is `llmjax serve` (`run_server`) with the same model, engine and serve flags on
 127.0.0.1:(`--replica-base-port` + i) (default base: `--port` + 1), each in its own child process
 (multiprocessing "spawn": a JAX runtime per replica). The launcher waits until every replica's
 `/health` answers 200 (SystemExit if one exits or `--replica-startup-timeout` passes), then runs
-the router on `--host:--port` in this process. When the router stops (Ctrl-C, SIGTERM) or startup
-fails, the replicas get SIGTERM, then SIGKILL after 30 s.
+the router on `--host:--port` in this process.
+
+Supervision (`Supervisor`, a background thread): a replica process that exits (killed, or its
+engine loop died) is reaped and started again after a backoff (1 s, doubling up to 30 s; back to
+1 s once a replica has stayed up for 60 s). The router's health checks take it out while it is
+down and bring it back once its `/health` answers 200. When the router stops (Ctrl-C, SIGTERM)
+or startup fails, supervision stops and the replicas get SIGTERM, then SIGKILL after 30 s; every
+child is joined, so none is left `<defunct>`.
 
 Replicas on other machines need no launcher: start `llmjax serve` there and give their URLs to
 `llmjax router --workers`.
@@ -17,11 +23,16 @@ import argparse
 import multiprocessing
 import signal
 import sys
+import threading
 import time
 
 import httpx
 
+from llmjax.serve.server import run_server
+
 STOP_TIMEOUT_S = 30.0
+POLL_S = 0.5
+BACKOFF_MIN_S, BACKOFF_MAX_S, STABLE_S = 1.0, 30.0, 60.0
 
 
 def replica_args(args: argparse.Namespace, port: int) -> argparse.Namespace:
@@ -29,13 +40,86 @@ def replica_args(args: argparse.Namespace, port: int) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "host": "127.0.0.1", "port": port, "func": None})
 
 
-def wait_healthy(urls: list[str], procs: list[multiprocessing.Process], timeout: float) -> None:
+class Replica:
+    """One replica's process and restart state. Owned by the `Supervisor` (its lock guards `proc`)."""
+
+    def __init__(self, args: argparse.Namespace, port: int):
+        self.args, self.port = replica_args(args, port), port
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: multiprocessing.Process | None = None
+        self.started_at = 0.0
+        self.backoff = BACKOFF_MIN_S
+        self.restart_at: float | None = None  # when a dead replica is due to start again
+        self.restarts = 0
+
+    def start(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.proc = context.Process(target=run_server, args=(self.args,), name=f"llmjax-replica-{self.port}")
+        self.proc.start()
+        self.started_at, self.restart_at = time.monotonic(), None
+
+
+class Supervisor:
+    """Restarts replicas that exit, with backoff, until `stop()`; `stop()` then ends them all."""
+
+    def __init__(self, replicas: list[Replica]):
+        self.replicas = replicas
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmjax-cluster-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(POLL_S):
+            with self._lock:
+                if not self._stopping.is_set():
+                    for replica in self.replicas:
+                        self._check(replica)
+
+    def _check(self, replica: Replica) -> None:
+        now = time.monotonic()
+        if replica.restart_at is None:
+            if replica.proc.is_alive():  # also reaps an exited child (waitpid)
+                if now - replica.started_at > STABLE_S:
+                    replica.backoff = BACKOFF_MIN_S
+                return
+            replica.proc.join()
+            replica.restart_at = now + replica.backoff
+            print(f"replica {replica.url} exited with status {replica.proc.exitcode}; restarting in "
+                  f"{replica.backoff:.0f} s", file=sys.stderr, flush=True)
+            replica.backoff = min(2 * replica.backoff, BACKOFF_MAX_S)
+        elif now >= replica.restart_at:
+            replica.restarts += 1
+            replica.start()
+            print(f"replica {replica.url} restarted (pid {replica.proc.pid})", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        """Stop supervising; SIGTERM every replica, SIGKILL those alive after STOP_TIMEOUT_S; join all."""
+        self._stopping.set()
+        with self._lock:
+            procs = [r.proc for r in self.replicas if r.proc is not None]
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+def wait_healthy(replicas: list[Replica], timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    pending = set(urls)
+    pending = {r.url for r in replicas}
     while pending:
-        for url, proc in zip(urls, procs):
-            if not proc.is_alive():
-                raise SystemExit(f"replica {url} exited with status {proc.exitcode} during startup")
+        for r in replicas:
+            if not r.proc.is_alive():
+                raise SystemExit(f"replica {r.url} exited with status {r.proc.exitcode} during startup")
         for url in sorted(pending):
             try:
                 if httpx.get(f"{url}/health", timeout=5).status_code == 200:
@@ -45,41 +129,26 @@ def wait_healthy(urls: list[str], procs: list[multiprocessing.Process], timeout:
                 pass
         if pending and time.monotonic() > deadline:
             raise SystemExit(f"replicas not healthy after {timeout:.0f} s: {sorted(pending)}")
-        time.sleep(0.5)
-
-
-def stop(procs: list[multiprocessing.Process]) -> None:
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        time.sleep(POLL_S)
 
 
 def run_cluster(args: argparse.Namespace) -> None:
-    """Start the replicas, wait for them, serve the router; stop the replicas at the end."""
-    from llmjax.cli import cmd_serve
+    """Start the replicas, wait for them, serve the router while supervising them; stop them at the end."""
     from llmjax.serve.router import serve_router
 
     if args.replicas < 1:
         raise SystemExit("--replicas must be at least 1")
     base = args.replica_base_port or args.port + 1
-    ports = [base + i for i in range(args.replicas)]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=cmd_serve, args=(replica_args(args, p),), name=f"llmjax-replica-{p}")
-             for p in ports]
+    replicas = [Replica(args, base + i) for i in range(args.replicas)]
+    supervisor = Supervisor(replicas)
     # SIGTERM unwinds to `finally` (uvicorn re-raises the signal it caught after its shutdown).
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        for proc in procs:
-            proc.start()
-        wait_healthy(urls, procs, args.replica_startup_timeout)
-        serve_router(urls, args)
+        for replica in replicas:
+            replica.start()
+        wait_healthy(replicas, args.replica_startup_timeout)
+        supervisor.start()
+        serve_router([r.url for r in replicas], args)
     finally:
-        stop(procs)
+        supervisor.stop()
         signal.signal(signal.SIGTERM, previous)

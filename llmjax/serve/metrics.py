@@ -1,9 +1,11 @@
 """Prometheus metrics for `/metrics`, named after vLLM's with an `llmjax:` prefix.
 
 Gauges and counters are read at scrape time from the engine loop's `EngineStats` snapshot;
-latency histograms are observed when a request finishes (`observe_finished`, called on the
-engine loop thread; prometheus-client is thread-safe). Each `ServerMetrics` has its own registry,
-so several apps (tests, replicas) can live in one process. Every sample carries `model_name`.
+per-request histograms and `request_success_total{finished_reason}` are observed when a request
+finishes (`observe_finished`, called on the engine loop thread; prometheus-client is
+thread-safe). Each `ServerMetrics` has its own registry, so several apps (tests, replicas) can
+live in one process. Every sample carries `model_name`. `cache_config_info` (value 1) carries
+the KV cache's configuration in its labels, as vLLM's does.
 
 Prefix-cache queries and hits count tokens, as vLLM's do: queried prompt tokens and the tokens
 found cached. A router reads them, and the running/waiting gauges, from each replica.
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -22,6 +24,7 @@ from llmjax.request import RequestStatus
 from llmjax.serve.async_engine import EngineStats
 
 PREFIX = "llmjax:"
+FINISH_REASONS = ("stop", "length", "abort")
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0, 160.0)
 
@@ -49,33 +52,69 @@ class _EngineCollector:
             ("num_preemptions", "Requests preempted (recomputed later).", s.num_preemptions),
             ("prompt_tokens", "Prompt tokens of accepted requests.", s.prompt_tokens),
             ("generation_tokens", "Generated tokens.", s.generation_tokens),
+            ("engine_errors", "Unexpected engine exceptions (a request admitted or a step failed).",
+             s.num_engine_errors),
         ]:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], value)
             yield counter
 
 
+def token_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_model_len` (vLLM's 1-2-5 buckets for token counts)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
+    """`cache_config`: label -> value of `cache_config_info` (block_size, num_blocks, ...)."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str, max_model_len: int,
+                 cache_config: dict[str, str]):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats, model_name))
 
-        def histogram(name: str, doc: str) -> Histogram:
-            h = Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry, buckets=LATENCY_BUCKETS)
+        def histogram(name: str, doc: str, buckets=LATENCY_BUCKETS) -> Histogram:
+            h = Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry, buckets=buckets)
             return h.labels(model_name)
 
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive generated tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish, for requests not aborted.")
+        self.decode_time = histogram("request_decode_time_seconds",
+                                     "First generated token to finish, for requests not aborted.")
+        tokens = token_buckets(max_model_len)
+        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt length of finished requests.", tokens)
+        self.generation_tokens = histogram("request_generation_tokens", "Tokens generated per finished request.",
+                                           tokens)
+        success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                          ["model_name", "finished_reason"], registry=self.registry)
+        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        info = Gauge(PREFIX + "cache_config_info", "The KV cache's configuration (in the labels).",
+                     sorted(cache_config), registry=self.registry)
+        info.labels(**cache_config).set(1)
 
     def observe_finished(self, output: RequestOutput) -> None:
-        """Record a finished request's latencies (from the engine's monotonic timestamps)."""
-        if output.first_token_time is not None:
-            self.ttft.observe(output.first_token_time - output.arrival_time)
-        for before, after in zip(output.token_times, output.token_times[1:]):
+        """Record a finished request (from the engine's monotonic timestamps)."""
+        m = output.metrics
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+        for before, after in zip(m.token_times, m.token_times[1:]):
             self.itl.observe(after - before)
-        if output.finish_reason != RequestStatus.FINISHED_ABORTED.value and output.finish_time is not None:
-            self.e2e.observe(output.finish_time - output.arrival_time)
+        reason = output.outputs[-1].finish_reason if output.outputs else None
+        if reason in self.success:
+            self.success[reason].inc()
+        self.prompt_tokens.observe(len(output.prompt_token_ids))
+        self.generation_tokens.observe(m.num_generation_tokens)
+        if reason != RequestStatus.FINISHED_ABORTED.value and m.finish_time is not None:
+            self.e2e.observe(m.finish_time - m.arrival_time)
+            if m.first_token_time is not None:
+                self.decode_time.observe(m.finish_time - m.first_token_time)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

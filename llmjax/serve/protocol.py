@@ -1,11 +1,17 @@
 """OpenAI-compatible request and response schemas (pydantic), with OpenAI's and vLLM's field names.
 
 Requests: `CompletionRequest`, `ChatCompletionRequest`, `TokenizeRequest`, `DetokenizeRequest`.
-Unknown fields are ignored. Sampling values are checked by `SamplingParams` itself (its
-`SamplingParamsError` names the field); this module only checks shapes and what `SamplingParams`
-cannot see (empty prompt strings, `best_of`). vLLM extensions: `top_k`, `min_p`, `min_tokens`,
-`ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, and
-`cache_salt` (the prefix-cache tenant: requests with different salts never share cached blocks).
+They are strict: an unknown field (`response_format`, `tools`, `suffix`, guided decoding, ...) is
+refused (pydantic `extra_forbidden`; the API answers 400 naming it), and types are not coerced
+(`"yes"` is not a boolean, `"5"` not an integer, NaN and infinities are not numbers). Sampling
+values are bounded by `SamplingParams` itself (its `SamplingParamsError` names the field); this
+module checks shapes and what `SamplingParams` cannot see (prompt shapes, `best_of`, `echo` with
+`logprobs`, `top_logprobs` without `logprobs`, `stream_options` without `stream`).
+OpenAI's `presence_penalty`, `frequency_penalty`, `logit_bias` (string token-id keys), `seed`
+and `n` map onto `SamplingParams` fields of the same names; vLLM extensions: `top_k`, `min_p`,
+`min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
+`skip_special_tokens`, chat's `add_generation_prompt`, and `cache_salt` (the prefix-cache tenant:
+requests with different salts never share cached blocks).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_serializer, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from llmjax.sampling_params import SamplingParams, SamplingParamsError
 
@@ -30,11 +36,21 @@ def now_s() -> int:
 
 
 # --- requests ------------------------------------------------------------------------------------
-class StreamOptions(BaseModel):
+class StrictRequest(BaseModel):
+    """Unknown fields are refused; values are not coerced; floats are finite."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+class _SamplingRequest(StrictRequest):
     """Fields both generation endpoints share."""
 
     model: str | None = None
@@ -47,13 +63,16 @@ class _SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None  # OpenAI's JSON: token id (a decimal string) -> bias
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = None
-    user: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     @property
     def include_usage(self) -> bool:
@@ -61,12 +80,16 @@ class _SamplingRequest(BaseModel):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises `SamplingParamsError` for a bad value."""
+        if self.stream_options is not None and not self.stream:
+            raise SamplingParamsError("stream_options", "stream_options can only be given with stream: true")
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or (),
             stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
         )
 
 
@@ -77,11 +100,19 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     best_of: int | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="plain")
     @classmethod
-    def _non_empty(cls, prompt):
-        items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
-        if not items or any(len(p) == 0 for p in items):
+    def _prompt_shape(cls, prompt: Any):
+        """A string, a list of strings, token ids, or a list of token-id lists; nothing empty."""
+        if isinstance(prompt, str) or _is_token_ids(prompt) and prompt:
+            items = [prompt]
+        elif isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                        or all(_is_token_ids(p) for p in prompt)):
+            items = prompt
+        else:
+            raise ValueError("the prompt must be a non-empty string, list of strings, list of token ids "
+                             "or list of token-id lists")
+        if any(len(p) == 0 for p in items):
             raise ValueError("the prompt is empty")
         return prompt
 
@@ -99,17 +130,17 @@ class CompletionRequest(_SamplingRequest):
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 
-class TextPart(BaseModel):
+class TextPart(StrictRequest):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    role: str
-    content: str | list[TextPart] | None = None
+class ChatMessage(StrictRequest):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
 
     def as_dict(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
         return {"role": self.role, "content": content}
 
 
@@ -119,13 +150,24 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant turn's header
 
     def sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise SamplingParamsError("top_logprobs", "top_logprobs needs logprobs: true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(self.max_completion_tokens or self.max_tokens, logprobs)
+        if self.max_completion_tokens is None:
+            return self._sampling_params(self.max_tokens, logprobs)
+        try:
+            return self._sampling_params(self.max_completion_tokens, logprobs)
+        except SamplingParamsError as exc:  # report the field the client sent
+            if exc.param != "max_tokens":
+                raise
+            raise SamplingParamsError("max_completion_tokens",
+                                      str(exc).replace("max_tokens", "max_completion_tokens")) from exc
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(StrictRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -133,7 +175,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(StrictRequest):
     model: str | None = None
     tokens: list[int]
 

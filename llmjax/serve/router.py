@@ -7,13 +7,14 @@
   response is relayed as it arrives, chunk by chunk (SSE streams included), with its status code
   and content type; the header `x-llmjax-worker` names the worker.
 - `/v1/models`, `/tokenize`, `/detokenize`: relayed to the least-loaded healthy worker.
-- Failures: when a worker fails before the first byte of its response body (no connection, a 503,
-  a dropped connection), the request goes to another healthy worker (each worker tried at most
-  once; none left: 503). A refused connection or a 503 also takes the worker down at once; a
-  dropped one does not (a keep-alive connection the worker closed as it was reused looks the same).
-  A worker that fails later ends the relayed body (an SSE stream gets an OpenAI error event and
-  `[DONE]`). A client that disconnects first closes the worker's response, so the worker aborts
-  the request.
+- Failures: when a worker fails before the first byte of its response body (no connection, a
+  dropped connection, a 503), the request goes to another healthy worker (each worker tried at
+  most once; none left: 503). Any other answer, 4xx or 5xx included, is relayed to the client as
+  it is. Only a refused connection takes the worker down at once; an answer, even a 503 or a 500,
+  never does (its `/health` decides), and neither does a dropped connection (a keep-alive
+  connection the worker closed as it was reused looks the same). A worker that fails later ends
+  the relayed body (an SSE stream gets an OpenAI error event and `[DONE]`). A client that
+  disconnects first closes the worker's response, so the worker aborts the request.
 - Health: every `health_check_interval` seconds each worker's `/health` is fetched. A worker goes
   down after `health_failure_threshold` failed checks in a row (a busy replica may answer late; a
   request that cannot reach it takes it down at once) and is back on the first 200. A down worker
@@ -47,6 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from prometheus_client.core import GaugeMetricFamily
 
 from llmjax.serve import routing
+from llmjax.serve.asgi import install_error_handlers, wait_for_disconnect
 from llmjax.serve.protocol import error_body
 
 log = logging.getLogger(__name__)
@@ -91,7 +93,7 @@ class WorkerState:
 
 
 class _WorkerFailed(Exception):
-    """The worker failed before the first byte; `down`: it cannot take requests (refused, 503)."""
+    """The worker failed before the first byte; `down`: it cannot be reached (connection refused)."""
 
     def __init__(self, message: str, down: bool):
         super().__init__(message)
@@ -128,11 +130,6 @@ class _Relay(StreamingResponse):
         finally:
             await self.upstream.aclose()
             self.on_close()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 class _WorkerCollector:
@@ -266,11 +263,11 @@ class Router:
     async def _open(self, request: Request, worker: WorkerState, path: str, body: bytes) -> Response | None:
         """Send the request to `worker` and wait for the first byte of its body; the relay of the
         response, or None when the client left first. `_WorkerFailed` (nothing relayed yet) when
-        the worker cannot be reached, answers 503 or drops the connection."""
+        the worker cannot be reached, drops the connection or answers 503."""
         headers = {"content-type": request.headers.get("content-type", "application/json")}
         upstream_request = self.client.build_request(request.method, worker.url + path, content=body, headers=headers)
         opening = asyncio.ensure_future(self._first_byte(upstream_request, path))
-        watch = asyncio.ensure_future(_wait_for_disconnect(request))
+        watch = asyncio.ensure_future(wait_for_disconnect(request))
         try:
             await asyncio.wait({opening, watch}, return_when=asyncio.FIRST_COMPLETED)
             if not opening.done():
@@ -291,7 +288,7 @@ class Router:
             raise _WorkerFailed(f"{path} failed: {exc!r}", down) from exc
         try:
             if upstream.status_code == 503:
-                raise _WorkerFailed(f"{path} 503: {(await upstream.aread())[:200]!r}", down=True)
+                raise _WorkerFailed(f"{path} 503: {(await upstream.aread())[:200]!r}", down=False)
             rest = upstream.aiter_raw()
             return upstream, await anext(rest, b""), rest
         except BaseException as exc:
@@ -345,6 +342,7 @@ def build_router_app(urls: list[str], policy: routing.RoutingPolicy, health_chec
     app.add_api_route("/health", router.health, methods=["GET"])
     app.add_api_route("/metrics", router.metrics_text, methods=["GET"])
     app.add_api_route("/workers", router.worker_list, methods=["GET"])
+    install_error_handlers(app)
     return app
 
 

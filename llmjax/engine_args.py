@@ -1,0 +1,52 @@
+"""The engine's command-line flags (vLLM's names) and the `EngineConfig` they build.
+
+`add_engine_args(parser)` defines one flag per `EngineConfig` field (its `dest` is the field's
+name) plus the positional model; `engine_config_from_args(args)` builds the config from every
+field of the dataclass, so a field without a flag is an error here, not a silent default.
+Shared by `llmjax generate | serve | cluster` and the experiments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from llmjax.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    parser.add_argument("model", nargs="?", default=None,
+                        help="'smollm2' (default, the embedded model), a preset (tiny-gqa, ...), a .gguf file or a HF folder")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                        default=d.enable_chunked_prefill)
+    parser.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory_bytes, dest="kv_cache_memory_bytes",
+                        help="KV cache budget in bytes (default: 1 GiB on CPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                        help="share of free accelerator memory for the KV cache when --kv-cache-memory is not given")
+    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, help="KV cache dtype (default: --dtype)")
+    parser.add_argument("--scheduling-policy", choices=["continuous", "static", "dynamic"], default=d.scheduling_policy)
+    parser.add_argument("--queue-order", choices=["fcfs", "lpm"], default=d.queue_order)
+    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="static/dynamic batch size")
+    parser.add_argument("--max-delay", type=float, default=d.max_delay, help="dynamic batching timeout (s)")
+    parser.add_argument("--attention-backend", choices=["xla", "pallas", "pallas-interpret"], default=d.attention_backend)
+    parser.add_argument("--dtype", default=d.dtype, help="float32 (CPU default) or bfloat16 (GPU default)")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--compilation-cache-dir", default=d.compilation_cache_dir,
+                        help="JAX's persistent compilation cache (default: the engine's)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                        help="shard the model over this many devices (docs/parallelism.md)")
+    parser.add_argument("--coordinator-address", default=d.coordinator_address,
+                        help="host:port of process 0 in a multi-host run (jax.distributed)")
+    parser.add_argument("--num-processes", type=int, default=d.num_processes, help="processes in a multi-host run")
+    parser.add_argument("--process-id", type=int, default=d.process_id, help="this process's rank in a multi-host run")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """`EngineConfig` from the parsed flags: one per dataclass field (AttributeError if one is missing)."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})

@@ -1,0 +1,110 @@
+"""HTTP pieces the API server and the router share: OpenAI-shaped errors for everything the
+framework itself refuses, the API-key check, and waiting for a client to disconnect.
+
+- `install_error_handlers(app)`: FastAPI's own answers (404 unknown route, 405 wrong method,
+  400 unparsable body: not UTF-8, malformed or too deeply nested JSON; request validation errors)
+  and any unhandled exception (500) become `{"error": {"message", "type", "param", "code"}}`.
+  A field the schema does not know is named in the message and in `param`.
+- `RequireAPIKey`: an ASGI middleware; with a key set, every path under `/v1/` needs
+  `Authorization: Bearer <key>` (401 otherwise). `/health`, `/metrics` and the rest stay open.
+- `wait_for_disconnect(request)`: returns when the client has gone.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from llmjax.serve.protocol import error_body
+
+log = logging.getLogger(__name__)
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
+          503: "service_unavailable"}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: int | str | None = None,
+                   type_: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_ or _TYPES.get(status, "invalid_request_error"), param, code),
+                        status_code=status)
+
+
+def _is_type_tag(part: Any) -> bool:
+    """Pydantic names each member of a union it tried in an error's location ("str", "list[int]",
+    "TextPart"); field names are lower-case identifiers and indices are ints."""
+    return isinstance(part, str) and (not part.isidentifier() or part[:1].isupper() or part in ("str", "int",
+                                                                                                "float", "bool"))
+
+
+def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    for e in errors:
+        if e["type"] == "json_invalid":
+            return error_response(400, f"malformed JSON: {e.get('ctx', {}).get('error', e['msg'])}")
+    first = errors[0]
+    path = []
+    for part in first["loc"][1:]:
+        if _is_type_tag(part):
+            break
+        path.append(str(part))
+    param = ".".join(path) or None
+    if first["type"] == "extra_forbidden":
+        message = f"unsupported parameter: `{param}` is not supported by this server"
+    else:
+        message = f"{param}: {first['msg']}" if param else first["msg"]
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return error_response(400, message, param)
+
+
+def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    message = str(exc.detail)
+    if exc.status_code == 400 and message == "There was an error parsing the body":
+        message = "malformed request body: not UTF-8, not JSON, or nested too deeply"
+    return error_response(exc.status_code, message, code=exc.status_code)
+
+
+def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error", exc_info=exc)
+    return error_response(500, f"internal error: {exc!r}", code=500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+
+
+class RequireAPIKey:
+    """ASGI middleware: with `api_key` set, HTTP requests to `/v1/...` need `Authorization: Bearer
+    <api_key>` and get a 401 OpenAI error otherwise (compared in constant time)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = json.dumps(error_body("invalid or missing API key (send `Authorization: Bearer <key>`)",
+                                             "authentication_error", code=401)).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode()),
+                                        (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,97 @@
+"""`run_server(args)`: one `llmjax serve` process (also each replica of `llmjax cluster`).
+
+Builds the engine from the engine flags (`llmjax/engine_args.py`) and the app (`build_app`),
+refuses to start when the KV pool cannot hold one `max_model_len` request, warms up, and serves
+with uvicorn until stopped. If the engine loop dies, the server shuts down and the process exits
+with status 1, so a supervisor (`llmjax cluster`, systemd, Kubernetes) restarts it.
+
+API key: `--api-key` or the `LLMJAX_API_KEY` environment variable; without one, binding an
+address other than loopback logs a warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+log = logging.getLogger(__name__)
+GRACEFUL_SHUTDOWN_S = 5.0
+UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def add_serve_args(parser: argparse.ArgumentParser, address: bool = True) -> None:
+    """The flags of one server besides the engine's; `address`: also `--host` and `--port`."""
+    if address:
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="the name clients send (default: the model's)")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="compile the common step shapes before accepting requests")
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on /v1/* (default: $LLMJAX_API_KEY, else none)")
+    parser.add_argument("--allowed-origins", default="",
+                        help="comma-separated origins allowed by CORS (default: none)")
+    parser.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """`--api-key`, else the `LLMJAX_API_KEY` environment variable, else None (no key)."""
+    return args.api_key or os.environ.get("LLMJAX_API_KEY") or None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info") -> int:
+    """Serve an app of `build_app` until stopped; 0, or 1 when its engine loop died (the server
+    then stops at once, letting open responses end for up to GRACEFUL_SHUTDOWN_S)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    async_engine = app.state.server.async_engine
+    async_engine.on_dead = lambda: setattr(server, "should_exit", True)  # uvicorn polls the flag
+    server.run()
+    if async_engine.error is not None:
+        print(f"error: the engine loop died: {async_engine.error!r}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """`llmjax serve`: exits with status 1 on a bad configuration or when the engine loop dies."""
+    from llmjax.config import ConfigError
+    from llmjax.engine import LLMEngine
+    from llmjax.engine_args import engine_config_from_args
+    from llmjax.models.loader import resolve_source
+    from llmjax.serve.api import build_app
+
+    api_key = resolve_api_key(args)
+    if api_key is None and not is_loopback(args.host):
+        log.warning("serving on %s without an API key: anyone who can reach it can use it "
+                    "(set --api-key or LLMJAX_API_KEY)", args.host)
+        print(f"warning: no API key while binding {args.host}", file=sys.stderr, flush=True)
+    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
+    name = args.served_model_name or resolve_source(args.model).name
+    try:
+        engine = LLMEngine.from_config(args.model, engine_config_from_args(args), seed=args.seed)
+        app = build_app(engine, name, api_key, origins)
+    except ConfigError as exc:
+        sys.exit(f"error: {exc}")
+    if args.warmup:
+        engine.warmup()
+    print(f"serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
+    sys.exit(serve_app(app, args.host, args.port, args.uvicorn_log_level))
