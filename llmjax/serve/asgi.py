@@ -3,8 +3,8 @@ framework itself refuses, the API-key check, and waiting for a client to disconn
 
 - `install_error_handlers(app)`: FastAPI's own answers (404 unknown route, 405 wrong method,
   400 unparsable body: not UTF-8, malformed or too deeply nested JSON; request validation errors)
-  and any unhandled exception (500) become `{"error": {"message", "type", "param", "code"}}`.
-  A field the schema does not know is named in the message and in `param`.
+  and any unhandled exception (500, `CatchInternalErrors`) become `{"error": {"message", "type",
+  "param", "code"}}`. A field the schema does not know is named in the message and in `param`.
 - `RequireAPIKey`: an ASGI middleware; with a key set, every path under `/v1/` needs
   `Authorization: Bearer <key>` (401 otherwise). `/health`, `/metrics` and the rest stay open.
 - `wait_for_disconnect(request)`: returns when the client has gone.
@@ -71,15 +71,38 @@ def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
     return error_response(exc.status_code, message, code=exc.status_code)
 
 
-def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-    log.error("unhandled error", exc_info=exc)
-    return error_response(500, f"internal error: {exc!r}", code=500)
+class CatchInternalErrors:
+    """ASGI middleware: an exception no handler took becomes a 500 OpenAI error (when no response
+    has started), and the connection stays usable (Starlette's own 500 handler re-raises, and the
+    server then drops the keep-alive connection)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            log.error("unhandled error", exc_info=exc)
+            if started:
+                raise
+            await error_response(500, f"internal error: {exc!r}", code=500)(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Call before adding other middleware (this one must sit innermost, next to the routes)."""
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(Exception, _internal_error)
+    app.add_middleware(CatchInternalErrors)
 
 
 class RequireAPIKey:
