@@ -205,7 +205,8 @@ def replay_engine(engine, requests: list[TraceRequest], progress: str | None = N
     def rel(t: float) -> float:
         return t - origin - sum(d for end, d in shifts if end <= t + 1e-9)
 
-    timings = [Timing(o.request_id, rel(o.arrival_time), [rel(t) for t in o.token_times], len(o.prompt_token_ids))
+    timings = [Timing(o.request_id, rel(o.metrics.arrival_time), [rel(t) for t in o.metrics.token_times],
+                      len(o.prompt_token_ids))
                for o in outputs]
     duration = max(t.token_times[-1] for t in timings)
     return Replay(timings, steps, duration, slots_of(engine.config), compiles=len(shifts))

@@ -31,6 +31,7 @@ def generate(preset: str, **engine_args) -> list[list[int]]:
     """Greedy continuations of PROMPTS on a tiny engine."""
     from llmjax.config import EngineConfig
     from llmjax.engine import LLMEngine
+    from llmjax.outputs import OutputAccumulator
     from llmjax.sampling_params import SamplingParams
 
     config = EngineConfig(max_num_batched_tokens=64, max_num_seqs=8, block_size=8, max_model_len=128,
@@ -38,10 +39,11 @@ def generate(preset: str, **engine_args) -> list[list[int]]:
     engine = LLMEngine.from_config(preset, config, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in PROMPTS]
-    done = {}
+    done = OutputAccumulator()
     while engine.has_unfinished_requests():
-        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-    return [done[i] for i in ids]
+        for delta in engine.step():
+            done.add(delta)
+    return [done.outputs[i].outputs[0].token_ids for i in ids]
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -73,14 +73,14 @@ def run_llmjax(prompts, outputs, args):
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outputs]
     engine = llm.engine
     print("llmjax: warm-up pass (compiles the step buckets this workload uses)")
-    llm.generate(prompts, params)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     engine.kv.reset_prefix_cache()  # the timed pass must not reuse the warm-up's prompts
     compiles = engine.runner.num_compiles
     engine.time_schedule = engine.time_update = engine.runner.time_prepare = engine.runner.time_device = 0.0
     steps0 = engine.num_steps
     print("llmjax: timed pass")
     t = time.perf_counter()
-    results = llm.generate(prompts, params)
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     elapsed = time.perf_counter() - t
     breakdown = {
         "scheduling (Python)": engine.time_schedule,
@@ -88,7 +88,7 @@ def run_llmjax(prompts, outputs, args):
         "device (jitted step)": engine.runner.time_device,
         "output processing": engine.time_update,
     }
-    return dict(elapsed=elapsed, tokens=[r.token_ids for r in results], steps=engine.num_steps - steps0,
+    return dict(elapsed=elapsed, tokens=[r.outputs[0].token_ids for r in results], steps=engine.num_steps - steps0,
                 compiles=engine.runner.num_compiles - compiles, breakdown=breakdown,
                 num_params=sum(x.size for x in __import__("jax").tree.leaves(engine.runner.params)),
                 config=engine.model_config)

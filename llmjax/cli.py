@@ -19,12 +19,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     llm = LLM(args.model, seed=args.seed, engine_config=engine_config_from_args(args))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_p=args.top_p)
-    prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     try:
-        [out] = llm.generate([prompt], params)
+        if args.raw:
+            [out] = llm.generate(args.prompt, params)
+        else:
+            [out] = llm.chat([{"role": "user", "content": args.prompt}], params)
     except ValueError as exc:
         sys.exit(f"error: {exc}")
-    print(out.text)
+    print(out.outputs[0].text)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

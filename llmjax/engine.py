@@ -1,14 +1,23 @@
 """`LLMEngine`: add requests, step, abort; stop conditions, detokenization and outputs.
 
 One step = schedule (scheduler + KV manager), execute (runner: one jitted forward + sampling),
-then append the sampled tokens, check stops, stream text deltas and free finished requests.
+then append the sampled tokens, check stops, and return delta outputs (`llmjax.outputs`).
 Not thread-safe: a single loop owns the engine (the server runs it in one thread).
+
+A request with `n` > 1 is n scheduler requests ("samples", ids `<id>#<i>`) under one parent id; the
+engine holds samples 1..n-1 back until sample 0 has sampled its first token, so they find the
+prompt's full pages in the prefix cache and the prompt is computed once.
+
+Fault isolation: an exception while preparing a request (in `add_request`) reaches only its
+caller, with nothing queued; one inside a step fails only the requests in that step (finished
+outputs with `error` set, blocks freed); one while appending a request's token fails that request.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
@@ -21,13 +30,16 @@ from llmjax.config import EngineConfig
 from llmjax.kv.manager import KVCacheManager
 from llmjax.kv.sizing import num_blocks_from_budget
 from llmjax.models.loader import LoadedModel, default_dtype, load_model
+from llmjax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmjax.request import Request, RequestStatus
 from llmjax.runner import ModelRunner, enable_compilation_cache
 from llmjax.sampling_params import SamplingParams
-from llmjax.scheduler import Scheduler
+from llmjax.scheduler import Scheduler, SchedulerOutput
 from llmjax.tokenizer import CharTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 CPU_KV_BUDGET_BYTES = 1 << 30
+
+log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -39,34 +51,30 @@ class RequestError(ValueError):
 
 
 @dataclass
-class RequestOutput:
-    """A request's state after a step. `delta_text`/`delta_token_ids` are what this step added."""
+class _SequenceState:
+    """Per sample: its text so far and what of it was already returned."""
+
+    parent_id: str
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    emitted: int = 0  # characters of `text` already returned
+    emitted_tokens: int = 0  # tokens (and logprob entries) already returned
+    cumulative_logprob: float = 0.0
+
+
+@dataclass(eq=False)
+class _Parent:
+    """A request as the caller sees it: its n samples (`children`, sample i at index i)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    delta_text: str
-    delta_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
-    num_cached_tokens: int = 0
-    arrival_time: float = 0.0
+    params: SamplingParams
+    children: list[Request]
+    arrival_time: float
+    held: list[Request] = field(default_factory=list)  # samples not yet given to the scheduler
     first_token_time: float | None = None
-    finish_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    num_preemptions: int = 0
-
-
-@dataclass
-class _TextState:
-    detokenizer: IncrementalDetokenizer
-    text: str = ""
-    emitted: int = 0  # characters of `text` already streamed
-    emitted_tokens: int = 0
+    token_times: list[float] = field(default_factory=list)  # one per step that sampled any of its tokens
 
 
 class LLMEngine:
@@ -85,8 +93,9 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(model, config, self.num_blocks, kv_dtype, self.eos_token_ids)
-        self.requests: dict[str, Request] = {}
-        self._text: dict[str, _TextState] = {}
+        self.requests: dict[str, Request] = {}  # every sample's id -> its Request
+        self._parents: dict[str, _Parent] = {}
+        self._sequences: dict[str, _SequenceState] = {}  # every sample's id -> its text state
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         self.num_prompt_tokens = 0
@@ -116,27 +125,41 @@ class LLMEngine:
         namespace: Hashable | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Validate and queue a request (text or token ids). Raises `RequestError`; nothing is queued then."""
+        """Validate and queue a request (text or token ids) with its `params.n` samples.
+
+        Raises `RequestError` for a request the engine refuses, or whatever preparing it raised (the
+        tokenizer, say); either way nothing is queued and no other request is affected.
+        """
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.requests:
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        if request_id in self._parents or any(c in self.requests for c in child_ids):
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         text = prompt if isinstance(prompt, str) else None
         if text == "":
             raise RequestError("the prompt is empty", "prompt")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._validate(ids, params)
-        max_len = self.config.max_model_len
         if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=max_len - len(ids))
-        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31))
-        request = Request(request_id, ids, params, seed, namespace, text)
-        if arrival_time is not None:
-            request.arrival_time = arrival_time
-        self.requests[request_id] = request
-        detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        self._text[request_id] = _TextState(detokenizer)
-        self.scheduler.add(request)
+            params = dataclasses.replace(params, max_tokens=self.config.max_model_len - len(ids))
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = [Request(child_id, ids, params, seed, namespace, text, sample_index=i, arrival_time=arrival)
+                    for i, child_id in enumerate(child_ids)]
+        states = [_SequenceState(request_id, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
+                  for _ in children]
+        # nothing above changed the engine; from here on nothing raises
+        parent = _Parent(request_id, text, ids, params, children, arrival)
+        self._parents[request_id] = parent
+        for child, state in zip(children, states):
+            self.requests[child.request_id] = child
+            self._sequences[child.request_id] = state
+        # The other samples wait until the first one's prompt is computed, then find its full pages in
+        # the prefix cache: the prompt is computed once.
+        released = children if not self.config.enable_prefix_caching else children[:1]
+        parent.held = children[len(released):]
+        for child in released:
+            self.scheduler.add(child)
         return request_id
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
@@ -151,6 +174,8 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise RequestError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}",
                                "logit_bias")
+        if params.n > self.config.max_num_seqs:
+            raise RequestError(f"n ({params.n}) must be at most max_num_seqs ({self.config.max_num_seqs})", "n")
         max_len = self.config.max_model_len
         wanted = len(ids) + (params.max_tokens or 1)
         if len(ids) >= max_len or wanted > max_len:
@@ -167,19 +192,23 @@ class LLMEngine:
             )
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Abort a waiting or running request and free its blocks; None if it is unknown or finished."""
-        request = self.requests.get(request_id)
-        if request is None or request.status.finished:
+        """Abort a request (all its samples) and free its blocks; None if it is unknown or finished."""
+        parent = self._parents.get(request_id)
+        if parent is None:
             return None
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
-        return self._output(request, finished=True)
+        return self._end(parent, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # --- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return an output for each request that sampled a token or finished."""
+        """Run one scheduled step. Returns a DELTA output (see `llmjax.outputs`) for each request
+        that sampled a token or finished.
+
+        If the step itself fails (the runner raises), only the requests in it fail: each gets a
+        finished output with `error` set, its blocks are freed, and later steps run as usual.
+        """
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.time_schedule += time.perf_counter() - t0
@@ -187,44 +216,101 @@ class LLMEngine:
             self.runner.release(request.request_id)
         if out.empty:
             return []
-        tables = [self.kv.block_table(s.request.request_id) for s in out.scheduled]
-        result = self.runner.execute(out, tables)
+        try:
+            tables = [self.kv.block_table(s.request.request_id) for s in out.scheduled]
+            result = self.runner.execute(out, tables)
+        except Exception as exc:
+            log.exception("engine step failed; failing its %d requests", len(out.scheduled))
+            return self._fail_step(out, exc)
         t1 = time.perf_counter()
         self.scheduler.after_step(out)
         now = time.monotonic()
-        outputs = []
+        changed: dict[str, list[Request]] = {}  # parent id -> its samples that changed, in order
+        failed: list[RequestOutput] = []
         for i, scheduled in enumerate(out.scheduled):
-            if not scheduled.samples:
-                continue
             request = scheduled.request
-            token = int(result.token_ids[i])
-            request.output_token_ids.append(token)
-            request.token_times.append(now)
-            if request.first_token_time is None:
-                request.first_token_time = now
-                self.num_prompt_tokens += len(request.prompt_token_ids)  # counted once prefilled, as vLLM does
-            if request.sampling_params.logprobs is not None:
-                entry = {token: float(result.logprobs[i])}
-                k = request.sampling_params.logprobs
-                entry.update(zip(result.top_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist()))
-                request.output_logprobs.append(entry)
-            self.num_generation_tokens += 1
-            status = self._check_stop(request, token)
-            if status is not None:
-                self._finish(request, status)
-            outputs.append(self._output(request, finished=status is not None))
+            if not scheduled.samples or request.status.finished:  # finished: its request failed in this step
+                continue
+            parent = self._parents[self._sequences[request.request_id].parent_id]
+            try:
+                self._append_token(request, parent, result, i, now)
+            except Exception as exc:  # e.g. the detokenizer on this request's token: fail it alone
+                log.exception("request %s failed", parent.request_id)
+                changed.pop(parent.request_id, None)
+                failed.append(self._end(parent, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}"))
+                continue
+            changed.setdefault(parent.request_id, []).append(request)
+        outputs = [self._output(self._parents[pid], children) for pid, children in changed.items()
+                   if pid in self._parents]
         self.num_steps += 1
         self.time_update += time.perf_counter() - t1
+        return outputs + failed
+
+    def _append_token(self, request: Request, parent: _Parent, result, i: int, now: float) -> None:
+        """Append the sampled token to `request`, check its stops; release held siblings after the first token."""
+        token = int(result.token_ids[i])
+        request.output_token_ids.append(token)
+        request.token_times.append(now)
+        if request.first_token_time is None:
+            request.first_token_time = now
+            if request.sample_index == 0:
+                self.num_prompt_tokens += len(request.prompt_token_ids)  # counted once prefilled, as vLLM does
+        if parent.first_token_time is None:
+            parent.first_token_time = now
+        if not parent.token_times or parent.token_times[-1] != now:
+            parent.token_times.append(now)
+        state = self._sequences[request.request_id]
+        params = request.sampling_params
+        if params.logprobs is not None:
+            entry = {token: float(result.logprobs[i])}
+            entry.update(zip(result.top_ids[i, :params.logprobs].tolist(),
+                             result.top_logprobs[i, :params.logprobs].tolist()))
+            request.output_logprobs.append(entry)
+            state.cumulative_logprob += float(result.logprobs[i])
+        self.num_generation_tokens += 1
+        status = self._check_stop(request, token)
+        if status is not None:
+            self._finish(request, status)
+        for sibling in parent.held:  # the prompt is computed and its full pages cached
+            self.scheduler.add(sibling)
+        parent.held = []
+
+    def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """Fail every request of a step that raised; if the runner lost its device state, recompute
+        the others (their KV is gone) and drop the prefix cache."""
+        message = f"the engine step failed: {type(exc).__name__}: {exc}"
+        parent_ids = dict.fromkeys(self._sequences[s.request.request_id].parent_id for s in out.scheduled)
+        outputs = [self._end(self._parents[pid], RequestStatus.FINISHED_ERROR, message) for pid in parent_ids]
+        if self.runner.recover():
+            log.error("the runner's device state was lost; running requests are recomputed")
+            self.scheduler.preempt_all()
+            self.kv.reset_prefix_cache()
+        self.num_steps += 1
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        """End one sample: free its blocks and penalty row."""
         self.scheduler.finish(request, status)
         self.runner.release(request.request_id)
+
+    def _end(self, parent: _Parent, status: RequestStatus, error: str | None = None) -> RequestOutput:
+        """End every unfinished sample of `parent` with `status`; returns the final delta output."""
+        unfinished = [c for c in parent.children if not c.status.finished]
+        held = set(map(id, parent.held))
+        parent.held = []
+        for child in unfinished:
+            if id(child) in held:  # never queued: nothing to free
+                child.status, child.finish_time = status, time.monotonic()
+            else:
+                self._finish(child, status)
+        output = self._output(parent, unfinished)
+        output.error = error
+        return output
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         """Stop conditions, in vLLM's order. Also advances the request's text (stop strings need it)."""
         params = request.sampling_params
-        state = self._text[request.request_id]
+        state = self._sequences[request.request_id]
         state.text += state.detokenizer.add(token)
         n_out = len(request.output_token_ids)
         if n_out >= params.min_tokens:
@@ -243,26 +329,45 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _output(self, request: Request, finished: bool) -> RequestOutput:
-        state = self._text[request.request_id]
-        held = 0 if finished or not request.sampling_params.stop else max(map(len, request.sampling_params.stop)) - 1
+    def _completion_delta(self, request: Request) -> CompletionOutput:
+        """What `request` added since its last output (text held back while it may start a stop string)."""
+        state = self._sequences[request.request_id]
+        params = request.sampling_params
+        finished = request.status.finished
+        held = 0 if finished or not params.stop else max(map(len, params.stop)) - 1
         end = max(state.emitted, len(state.text) - held)
-        delta = state.text[state.emitted : end]
+        text = state.text[state.emitted : end]
         state.emitted = end
-        new_tokens = request.output_token_ids[state.emitted_tokens :]
-        state.emitted_tokens = len(request.output_token_ids)
+        start, state.emitted_tokens = state.emitted_tokens, len(request.output_token_ids)
+        want_logprobs = params.logprobs is not None
+        return CompletionOutput(
+            index=request.sample_index, text=text, token_ids=request.output_token_ids[start:],
+            cumulative_logprob=state.cumulative_logprob if want_logprobs else None,
+            logprobs=request.output_logprobs[start:] if want_logprobs else None,
+            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+        )
+
+    def _output(self, parent: _Parent, children: list[Request]) -> RequestOutput:
+        """The delta output of `parent` for its samples `children`; forgets a finished parent."""
+        completions = [self._completion_delta(c) for c in children]
+        finished = all(c.status.finished for c in parent.children)
+        first = parent.children[0]
+        metrics = RequestMetrics(
+            arrival_time=parent.arrival_time, first_scheduled_time=first.scheduled_time,
+            first_token_time=parent.first_token_time,
+            finish_time=max(c.finish_time for c in parent.children) if finished else None,
+            num_preemptions=sum(c.num_preemptions for c in parent.children),
+            num_generation_tokens=sum(len(c.output_token_ids) for c in parent.children),
+            token_times=list(parent.token_times) if finished else [],
+        )
         if finished:
-            del self._text[request.request_id]
-            del self.requests[request.request_id]
+            del self._parents[parent.request_id]
+            for child in parent.children:
+                del self.requests[child.request_id]
+                del self._sequences[child.request_id]
         return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-            text=state.text[:end], token_ids=list(request.output_token_ids), delta_text=delta,
-            delta_token_ids=new_tokens, finished=finished, finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
-            num_cached_tokens=request.num_cached_tokens, arrival_time=request.arrival_time,
-            first_token_time=request.first_token_time, finish_time=request.finish_time,
-            token_times=list(request.token_times), num_preemptions=request.num_preemptions,
+            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions, finished=finished, metrics=metrics, num_cached_tokens=first.num_cached_tokens,
         )
 
     # --- introspection -----------------------------------------------------------------------------

@@ -1,28 +1,26 @@
-"""The offline API: `LLM(model, **engine_args).generate(prompts, sampling_params)`.
+"""The offline API, as vLLM's: `LLM(model, **engine_args).generate(prompts, sampling_params)` and
+`LLM.chat(conversations, sampling_params)`.
 
-Prompts may be strings, token-id lists, or chat conversations (lists of `{"role", "content"}`
-messages, rendered with the model's chat template). Outputs come back in input order.
+Prompts take vLLM's forms: a string, `{"prompt": str}`, `{"prompt_token_ids": [int, ...]}`, or a
+list of those. A chat conversation (a list of `{"role", "content"}` messages) goes through `chat`,
+which renders it with the model's chat template. Both return one finished `RequestOutput` per
+prompt, in input order (`llmjax.outputs`: `.outputs[i].text`, `.token_ids`, ...).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from tqdm import tqdm
 
 from llmjax.config import EngineConfig
-from llmjax.engine import LLMEngine, RequestOutput
+from llmjax.engine import LLMEngine
+from llmjax.outputs import OutputAccumulator, RequestOutput
 from llmjax.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
-
-
-def _is_single(prompts: Any) -> bool:
-    if isinstance(prompts, str):
-        return True
-    items = list(prompts)
-    return bool(items) and (all(isinstance(p, int) for p in items) or all(isinstance(p, dict) for p in items))
+Prompt = str | Mapping[str, Any]  # str | {"prompt": str} | {"prompt_token_ids": list[int]}
+Conversation = Sequence[Mapping[str, str]]
 
 
 class LLM:
@@ -35,13 +33,18 @@ class LLM:
         self.engine = LLMEngine.from_config(model, config, seed=seed)
         self.tokenizer = self.engine.tokenizer
 
-    def _prompt_ids(self, prompt: Prompt) -> str | list[int]:
+    @staticmethod
+    def _engine_prompt(prompt: Prompt) -> str | list[int]:
+        """A vLLM prompt -> what `LLMEngine.add_request` takes. Raises TypeError for anything else."""
         if isinstance(prompt, str):
             return prompt
-        items = list(prompt)
-        if items and isinstance(items[0], dict):
-            return self.tokenizer.encode_chat(items)
-        return [int(t) for t in items]
+        if isinstance(prompt, Mapping):
+            if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+                return prompt["prompt"]
+            if set(prompt) == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], Sequence):
+                return [int(t) for t in prompt["prompt_token_ids"]]
+        raise TypeError('a prompt is a string, {"prompt": str} or {"prompt_token_ids": [int, ...]} '
+                        f"(chat conversations go through LLM.chat), got {prompt!r:.80}")
 
     def generate(
         self,
@@ -49,31 +52,51 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; returns one finished `RequestOutput` per prompt, in order."""
-        if _is_single(prompts):
+        """Run every prompt to completion; returns one finished `RequestOutput` per prompt, in order.
+        A prompt the engine refuses raises (`RequestError`, `SamplingParamsError`) with nothing left queued."""
+        if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
-        prompts = list(prompts)
+        return self._run([self._engine_prompt(p) for p in prompts], sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        conversations: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (rendered with the chat template)."""
+        conversations = list(conversations)
+        if conversations and isinstance(conversations[0], Mapping):
+            conversations = [conversations]
+        ids = [self.tokenizer.encode_chat(list(c), add_generation_prompt) for c in conversations]
+        return self._run(ids, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[str | list[int]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
-        ids = [self.engine.add_request(self._prompt_ids(p), sp) for p, sp in zip(prompts, sampling_params)]
-        self.engine.scheduler.input_closed = True
-        results: dict[str, RequestOutput] = {}
+        engine = self.engine
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                ids.append(engine.add_request(prompt, params))
+        except BaseException:
+            for request_id in ids:
+                engine.abort(request_id)
+            raise
+        engine.scheduler.input_closed = True
+        results = OutputAccumulator()
         start, generated = time.perf_counter(), 0
-        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    generated += len(out.delta_token_ids)
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
-                bar.set_postfix(tok_per_s=f"{generated / (time.perf_counter() - start):.1f}")
-        self.engine.scheduler.input_closed = False
-        return [results[i] for i in ids]
-
-    def chat(self, conversations, sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
-        """Generate replies to one conversation or a list of them."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        return self.generate(list(conversations), sampling_params, use_tqdm)
+        try:
+            with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+                while engine.has_unfinished_requests():
+                    for delta in engine.step():
+                        generated += sum(len(c.token_ids) for c in delta.outputs)
+                        if results.add(delta).finished:
+                            bar.update(1)
+                    bar.set_postfix(tok_per_s=f"{generated / (time.perf_counter() - start):.1f}")
+        finally:
+            engine.scheduler.input_closed = False
+        return [results.outputs[i] for i in ids]

@@ -123,12 +123,12 @@ class ModelRunner:
         self.graphdef = model.graphdef
         tp = config.tensor_parallel_size
         self.layout = parallel.Layout.create(model, parallel.make_mesh(tp)) if tp > 1 else None
+        self.num_blocks, self.kv_dtype = num_blocks, kv_dtype
         if self.layout is None:
             self.params = jax.device_put(model.params)
-            self.cache = init_cache(model.config, num_blocks, config.block_size, kv_dtype)
         else:
             self.params = self.layout.place_params(model.params)
-            self.cache = self.layout.init_cache(model.config, num_blocks, config.block_size, kv_dtype)
+        self.cache = self._empty_cache()
         self.eos_token_ids = eos_token_ids
         self.penalties = self._empty_penalties()
         self._penalty_rows: dict[str, int] = {}  # request id -> its row in `penalties`
@@ -227,6 +227,28 @@ class ModelRunner:
         return SamplingInput(temp, top_k, top_p, min_p, (seeds >> 32).astype(np.uint32),
                              (seeds & 0xFFFFFFFF).astype(np.uint32), sample_index, index, rows, processed, keep,
                              in_min_tokens, presence, frequency, repetition)
+
+    # --- device state ----------------------------------------------------------------------------------
+    def _empty_cache(self):
+        if self.layout is None:
+            return init_cache(self.model_config, self.num_blocks, self.block_size, self.kv_dtype)
+        return self.layout.init_cache(self.model_config, self.num_blocks, self.block_size, self.kv_dtype)
+
+    def recover(self) -> bool:
+        """After a failed step: whether the cache and penalty tables were lost (donated to a step that
+        failed, or computed by it); if so they are rebuilt empty, and every row assignment is dropped,
+        so the caller must recompute every running request and drop the prefix cache."""
+        try:
+            leaves = jax.tree.leaves((self.cache, self.penalties))
+            if any(x.is_deleted() for x in leaves):
+                raise RuntimeError("deleted")
+            jax.block_until_ready(leaves)
+            return False
+        except Exception:
+            self.cache, self.penalties = self._empty_cache(), self._empty_penalties()
+            self._penalty_rows.clear()
+            self._free_penalty_rows = list(range(self.config.max_num_seqs))
+            return True
 
     # --- penalty rows --------------------------------------------------------------------------------
     def _empty_penalties(self) -> PenaltyState:

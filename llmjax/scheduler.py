@@ -134,6 +134,18 @@ class Scheduler:
         out.preempted.append(request)
         out.scheduled = [s for s in out.scheduled if s.request is not request]
 
+    def preempt_all(self) -> None:
+        """Send every running request back to the waiting queue to be recomputed, caching none of its
+        blocks (after the runner lost the cache contents)."""
+        for request in reversed(self.running):
+            self.kv.free(request.request_id)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            request.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.appendleft(request)
+        self.running.clear()
+
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         if self.config.queue_order == "lpm" and self.config.enable_prefix_caching and len(self.waiting) > 1:
             match = {r.request_id: self.kv.peek_prefix_len(r.all_token_ids, r.namespace) for r in self.waiting}

@@ -36,7 +36,8 @@ import numpy as np
 from tqdm import tqdm
 
 from llmjax.config import EngineConfig
-from llmjax.engine import LLMEngine, RequestOutput
+from llmjax.engine import LLMEngine
+from llmjax.outputs import OutputAccumulator, RequestOutput
 from llmjax.kv import KVCacheManager
 from llmjax.provenance import results_dir, write_results
 from llmjax.sampling_params import SamplingParams
@@ -92,12 +93,11 @@ def serve(engine: LLMEngine, prompts: Sequence[list[int]], params: SamplingParam
     """Submit all prompts at once and step until every one finishes; outputs in prompt order."""
     ids = [engine.add_request(p, params) for p in prompts]
     engine.scheduler.input_closed = True
-    done: dict[str, RequestOutput] = {}
+    done = OutputAccumulator()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
+        for delta in engine.step():
+            done.add(delta)
+    return [done.outputs[i] for i in ids]
 
 
 def step_shapes(engine: LLMEngine, workload: Workload, max_tokens: int) -> set[tuple[int, int, int, bool]]:
@@ -138,14 +138,14 @@ def measure(engine: LLMEngine, workload: Workload, max_tokens: int) -> dict[str,
     start, cpu_start = time.perf_counter(), time.process_time()
     while (prompts := workload.next_round(replies)) is not None:
         round_outputs = serve(engine, prompts, params)
-        replies.append([o.token_ids for o in round_outputs])
+        replies.append([o.outputs[0].token_ids for o in round_outputs])
         outputs += round_outputs
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     return dict(hit_rate=engine.kv.stats().hit_rate, throughput=len(outputs) / elapsed,
                 cpu_throughput=len(outputs) / cpu,
-                ttft=float(np.mean([o.first_token_time - o.arrival_time for o in outputs])),
+                ttft=float(np.mean([o.metrics.first_token_time - o.metrics.arrival_time for o in outputs])),
                 prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs), requests=len(outputs),
-                preemptions=sum(o.num_preemptions for o in outputs),
+                preemptions=sum(o.metrics.num_preemptions for o in outputs),
                 kv_tokens=(engine.num_blocks - 1) * engine.config.block_size)
 
 

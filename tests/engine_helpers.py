@@ -11,6 +11,7 @@ from flax import nnx
 
 from llmjax.config import EngineConfig
 from llmjax.engine import LLMEngine
+from llmjax.outputs import OutputAccumulator, RequestOutput
 from llmjax.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -25,17 +26,24 @@ def tiny_engine(preset: str = "tiny-gqa", **overrides) -> LLMEngine:
 
 
 def run_to_completion(engine: LLMEngine, prompts, params=GREEDY, check_invariants: bool = True):
-    """Submit all prompts at once, step until done; returns finished outputs in submission order."""
+    """Submit all prompts at once, step until done; returns the whole (accumulated) outputs in
+    submission order."""
     ids = [engine.add_request(list(p), params) for p in prompts]
+    return drain(engine, ids, check_invariants)
+
+
+def drain(engine: LLMEngine, ids: list[str], check_invariants: bool = True) -> list[RequestOutput]:
+    """Step until nothing is unfinished; the accumulated outputs of requests `ids`, in that order."""
     engine.scheduler.input_closed = True
-    done = {}
+    done = OutputAccumulator()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+        for delta in engine.step():
+            done.add(delta)
         if check_invariants:
             engine.check_kv_invariants()
-    return [done[i] for i in ids]
+    engine.scheduler.input_closed = False
+    assert all(done.outputs[i].finished for i in ids)
+    return [done.outputs[i] for i in ids]
 
 
 @functools.lru_cache(maxsize=4)

@@ -6,7 +6,7 @@ import pytest
 
 from llmjax.engine import RequestError
 from llmjax.sampling_params import SamplingParams
-from tests.engine_helpers import GREEDY, assert_greedy_matches, dense_greedy, run_to_completion, tiny_engine
+from tests.engine_helpers import GREEDY, assert_greedy_matches, dense_greedy, drain, run_to_completion, tiny_engine
 
 RNG = np.random.default_rng(1234)
 SHARED = RNG.integers(3, 250, size=40).tolist()
@@ -41,7 +41,7 @@ def test_greedy_equals_dense_reference(reference, config):
     engine = tiny_engine(preset, **CONFIGS[config])
     outputs = run_to_completion(engine, PROMPTS)
     for out, (tokens, logits) in zip(outputs, expected):
-        assert_greedy_matches(out.token_ids, tokens, logits)
+        assert_greedy_matches(out.outputs[0].token_ids, tokens, logits)
     assert engine.kv.usage().used == 0
 
 
@@ -53,7 +53,7 @@ def test_preemption_keeps_outputs(reference):
     assert engine.scheduler.num_preemptions > 0
     assert engine.kv.stats().queries == len(PROMPTS)  # a re-admission after preemption is no new query
     for out, (tokens, logits) in zip(outputs, expected):
-        assert_greedy_matches(out.token_ids, tokens, logits)
+        assert_greedy_matches(out.outputs[0].token_ids, tokens, logits)
 
 
 def engine_bytes_per_token(preset):
@@ -71,27 +71,25 @@ def test_prefix_cache_hits_shared_prompts():
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch():
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True)
-    alone = run_to_completion(tiny_engine(), [PROMPTS[0]], params)[0].token_ids
+    alone = run_to_completion(tiny_engine(), [PROMPTS[0]], params)[0].outputs[0].token_ids
     others = SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True)
     engine = tiny_engine()
     ids = [engine.add_request(PROMPTS[3], others), engine.add_request(PROMPTS[0], params),
            engine.add_request(PROMPTS[4], others)]
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    assert done[ids[1]].token_ids == alone
+    assert drain(engine, ids)[1].outputs[0].token_ids == alone
     unseeded = run_to_completion(tiny_engine(), [PROMPTS[0]], SamplingParams(temperature=1.0, max_tokens=10))
-    assert len(unseeded[0].token_ids) > 0
+    assert len(unseeded[0].outputs[0].token_ids) > 0
 
 
 def test_stop_string_cuts_the_text():
     engine = tiny_engine()
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     [full] = run_to_completion(engine, [PROMPTS[2]], params)
-    text = full.text
+    text = full.outputs[0].text
     stop = text[10:12]
     [cut] = run_to_completion(engine, [PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=30,
                                                                     ignore_eos=True, stop=[stop]))
+    cut = cut.outputs[0]
     assert cut.text == text[: text.find(stop)]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
 
@@ -99,10 +97,12 @@ def test_stop_string_cuts_the_text():
 def test_stop_token_ids_and_max_tokens():
     engine = tiny_engine()
     [full] = run_to_completion(engine, [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    full = full.outputs[0]
     assert full.finish_reason == "length" and len(full.token_ids) == 8
     stop_id = full.token_ids[3]
     [cut] = run_to_completion(engine, [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
                                                                     stop_token_ids=[stop_id]))
+    cut = cut.outputs[0]
     first = full.token_ids.index(stop_id)
     assert cut.token_ids == full.token_ids[: first + 1] and cut.stop_reason == stop_id
 
@@ -129,10 +129,8 @@ def test_too_long_request_is_refused_and_harms_nobody():
         engine.add_request([], GREEDY)
     with pytest.raises(RequestError, match="token ids"):
         engine.add_request([100000], GREEDY)
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    assert list(done) == [good]
+    [out] = drain(engine, [good])
+    assert out.outputs[0].finish_reason == "length" and engine.kv.usage().used == 0
 
 
 def test_second_run_compiles_nothing():
@@ -142,4 +140,4 @@ def test_second_run_compiles_nothing():
     assert compiles <= 24  # bounded by the buckets (0 when earlier tests compiled them)
     second = run_to_completion(engine, PROMPTS)
     assert engine.runner.num_compiles == compiles
-    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]

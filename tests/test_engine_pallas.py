@@ -19,4 +19,4 @@ def test_pallas_interpret_matches_xla(preset):
     }
     outputs = {backend: run_to_completion(e, PROMPTS, PARAMS) for backend, e in engines.items()}
     for ours, ref in zip(outputs["pallas-interpret"], outputs["xla"]):
-        assert ours.token_ids == ref.token_ids
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids

@@ -7,7 +7,7 @@ import pytest
 
 from llmjax.engine import RequestError
 from llmjax.sampling_params import SamplingParams
-from tests.engine_helpers import _dense_logits_fn, REF_LEN, assert_greedy_matches, run_to_completion, tiny_engine
+from tests.engine_helpers import REF_LEN, _dense_logits_fn, assert_greedy_matches, drain, run_to_completion, tiny_engine
 from tests.test_sampling import reference_processing
 
 RNG = np.random.default_rng(7)
@@ -40,6 +40,10 @@ def reference_greedy(engine, prompt, params: SamplingParams, eos=(2,)):
     return output, all_logits
 
 
+def tokens_of(outputs) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in outputs]
+
+
 def greedy(**kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **kwargs)
 
@@ -50,37 +54,37 @@ def greedy(**kwargs) -> SamplingParams:
 ])
 def test_penalties_change_greedy_outputs_as_the_formula_predicts(engine, kwargs):
     params = greedy(**kwargs)
-    plain = run_to_completion(engine, PROMPTS, greedy())
-    outputs = run_to_completion(engine, PROMPTS, params)
+    plain = tokens_of(run_to_completion(engine, PROMPTS, greedy()))
+    outputs = tokens_of(run_to_completion(engine, PROMPTS, params))
     changed = 0
     for prompt, out, base in zip(PROMPTS, outputs, plain):
         expected, logits = reference_greedy(engine, prompt, params)
-        assert_greedy_matches(out.token_ids, expected, logits)
-        changed += out.token_ids != base.token_ids
+        assert_greedy_matches(out, expected, logits)
+        changed += out != base
     assert changed > 0  # the parameter had an effect on these prompts
     assert engine.kv.usage().used == 0
 
 
 def test_logit_bias_forbids_and_forces_tokens(engine):
-    plain = run_to_completion(engine, PROMPTS, greedy())
-    banned = {t: -100.0 for out in plain for t in out.token_ids}
-    outputs = run_to_completion(engine, PROMPTS, greedy(logit_bias=banned))
-    assert all(t not in banned for out in outputs for t in out.token_ids)
+    plain = tokens_of(run_to_completion(engine, PROMPTS, greedy()))
+    banned = {t: -100.0 for out in plain for t in out}
+    outputs = tokens_of(run_to_completion(engine, PROMPTS, greedy(logit_bias=banned)))
+    assert all(t not in banned for out in outputs for t in out)
     sampled = SamplingParams(temperature=1.0, seed=1, max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias={77: 100})
-    outputs = run_to_completion(engine, PROMPTS, sampled)
-    assert all(out.token_ids == [77] * MAX_TOKENS for out in outputs)
+    outputs = tokens_of(run_to_completion(engine, PROMPTS, sampled))
+    assert all(out == [77] * MAX_TOKENS for out in outputs)
 
 
 def test_min_tokens_masks_stop_ids_until_reached(engine):
-    [plain] = run_to_completion(engine, PROMPTS[:1], greedy())
-    stop = plain.token_ids[0]
+    [plain] = tokens_of(run_to_completion(engine, PROMPTS[:1], greedy()))
+    stop = plain[0]
     params = greedy(min_tokens=4, stop_token_ids=[stop])
-    [out] = run_to_completion(engine, PROMPTS[:1], params)
+    [out] = tokens_of(run_to_completion(engine, PROMPTS[:1], params))
     expected, logits = reference_greedy(engine, PROMPTS[0], params)
-    assert stop not in out.token_ids[:4]
-    assert_greedy_matches(out.token_ids, expected, logits)
+    assert stop not in out[:4]
+    assert_greedy_matches(out, expected, logits)
     eos_params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=5, logit_bias={2: 100})  # EOS favoured
-    [out] = run_to_completion(engine, PROMPTS[:1], eos_params)
+    [[out]] = [r.outputs for r in run_to_completion(engine, PROMPTS[:1], eos_params)]
     assert len(out.token_ids) == 6 and 2 not in out.token_ids[:5] and out.token_ids[5] == 2
     assert out.finish_reason == "stop"
 
@@ -92,10 +96,7 @@ def test_seeded_penalised_sampling_ignores_its_batch(engine):
     others = SamplingParams(temperature=0.7, max_tokens=MAX_TOKENS, ignore_eos=True, frequency_penalty=0.5)
     ids = [engine.add_request(PROMPTS[1], others), engine.add_request(PROMPTS[0], params),
            engine.add_request(PROMPTS[2], greedy())]
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    assert done[ids[1]].token_ids == alone.token_ids
+    assert tokens_of(drain(engine, ids))[1] == tokens_of([alone])[0]
     assert engine.kv.usage().used == 0
 
 

@@ -14,6 +14,7 @@ from llmjax.engine import LLMEngine
 from llmjax.models.loader import embedded_model_path, load_model
 from llmjax.sampling_params import SamplingParams
 from llmjax.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from tests.engine_helpers import drain
 
 pytestmark = pytest.mark.slow
 
@@ -104,10 +105,7 @@ def test_engine_greedy_equals_hf_generate(hf, ours):
     prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=20)
     ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-        engine.check_kv_invariants()
+    done = {out.request_id: out.outputs[0] for out in drain(engine, ids)}
     for rid, prompt in zip(ids, prompts):
         assert done[rid].token_ids == _hf_greedy(hf_model, prompt, 20), f"prompt {tokenizer.decode(prompt)!r}"
     answer = done[ids[0]].text

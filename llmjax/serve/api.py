@@ -38,7 +38,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from llmjax.config import ConfigError
-from llmjax.engine import LLMEngine, RequestError, RequestOutput
+from llmjax.engine import LLMEngine, RequestError
+from llmjax.outputs import OutputAccumulator, RequestFailedError, RequestOutput
 from llmjax.sampling_params import SamplingParams, SamplingParamsError
 from llmjax.serve import protocol as p
 from llmjax.serve.asgi import RequireAPIKey, error_response, install_error_handlers, wait_for_disconnect
@@ -89,6 +90,12 @@ class _EventStream(StreamingResponse):
             self.stream.abort()
 
 
+def _raise_if_failed(output: RequestOutput) -> None:
+    """A request the engine failed becomes a server error (500 JSON, or an SSE error event)."""
+    if output.error is not None:
+        raise RequestFailedError(output.error)
+
+
 class OpenAIServer:
     """Request handling over one `AsyncEngine`; `build_app` routes to its methods."""
 
@@ -135,10 +142,15 @@ class OpenAIServer:
         return stream, index
 
     async def _final_outputs(self, raw: Request, stream: OutputStream) -> dict[str, RequestOutput] | None:
-        """Each request's finished output, or None when the client disconnected first (then aborted)."""
+        """Each request's whole output (accumulated from the engine's deltas), or None when the client
+        disconnected first (then aborted). Raises `RequestFailedError` when the engine failed one."""
 
         async def collect() -> dict[str, RequestOutput]:
-            return {out.request_id: out async for out in stream if out.finished}
+            whole = OutputAccumulator()
+            async for out in stream:
+                _raise_if_failed(out)
+                whole.add(out)
+            return whole.outputs
 
         work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(wait_for_disconnect(raw))
         try:
@@ -150,10 +162,11 @@ class OpenAIServer:
         return work.result() if work in done else None
 
     @staticmethod
-    def _usage(outputs) -> p.Usage:
+    def _usage(outputs: list[RequestOutput]) -> p.Usage:
+        """Usage of finished outputs (their `metrics` count every sample's tokens)."""
         usage = p.Usage()
         for out in outputs:
-            usage.add(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+            usage.add(len(out.prompt_token_ids), out.metrics.num_generation_tokens, out.num_cached_tokens)
         return usage
 
     def _completion_logprobs(self, params: SamplingParams, token_ids: list[int], entries,
@@ -178,30 +191,33 @@ class OpenAIServer:
         for rid, out in outputs.items():
             i = index[rid]
             prefix = self._prompt_text(prompts[i]) if body.echo else ""
-            logprobs = self._completion_logprobs(params, out.token_ids, out.logprobs, 0)
-            choices.append(p.CompletionChoice(index=i, text=prefix + out.text, logprobs=logprobs,
-                                              finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+            for c in out.outputs:
+                logprobs = self._completion_logprobs(params, c.token_ids, c.logprobs, 0)
+                choices.append(p.CompletionChoice(index=i * params.n + c.index, text=prefix + c.text,
+                                                  logprobs=logprobs, finish_reason=c.finish_reason,
+                                                  stop_reason=c.stop_reason))
         choices.sort(key=lambda c: c.index)
         return JSONResponse(p.CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                                 usage=self._usage(outputs.values())).model_dump())
+                                                 usage=self._usage(list(outputs.values()))).model_dump())
 
     async def _completion_chunks(self, stream: OutputStream, index: dict[str, int], prompts: list[p.Prompt],
                                  params: SamplingParams, body: p.CompletionRequest, request_id: str):
-        offsets = {i: 0 for i in index.values()}  # characters sent per choice
+        offsets: dict[int, int] = {}  # characters sent per choice
         finished = []
         async for out in stream:
-            i = index[out.request_id]
-            text = out.delta_text
-            if body.echo and offsets[i] == 0:
-                text = self._prompt_text(prompts[i]) + text
-            want_logprobs = params.logprobs is not None and out.delta_token_ids
-            if not (text or out.finished or want_logprobs):
-                continue
-            logprobs = self._completion_logprobs(params, out.delta_token_ids, out.logprobs, offsets[i])
-            offsets[i] += len(text)
-            choice = p.CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
-                                        stop_reason=out.stop_reason)
-            yield p.CompletionResponse(id=request_id, model=self.model_name, choices=[choice])
+            _raise_if_failed(out)
+            for c in out.outputs:
+                i = index[out.request_id] * params.n + c.index
+                text = c.text
+                if body.echo and i not in offsets:
+                    text = self._prompt_text(prompts[index[out.request_id]]) + text
+                if not (text or c.finished or (params.logprobs is not None and c.token_ids)):
+                    continue
+                logprobs = self._completion_logprobs(params, c.token_ids, c.logprobs, offsets.get(i, 0))
+                offsets[i] = offsets.get(i, 0) + len(text)
+                choice = p.CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                                            stop_reason=c.stop_reason)
+                yield p.CompletionResponse(id=request_id, model=self.model_name, choices=[choice])
             if out.finished:
                 finished.append(out)
         if body.include_usage:
@@ -219,10 +235,10 @@ class OpenAIServer:
         if outputs is None:
             return Response(status_code=499)
         [out] = outputs.values()
-        choice = p.ChatChoice(index=0, message=p.AssistantMessage(content=out.text),
-                              logprobs=self._chat_logprobs(params, out.token_ids, out.logprobs),
-                              finish_reason=out.finish_reason, stop_reason=out.stop_reason)
-        return JSONResponse(p.ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice],
+        choices = [p.ChatChoice(index=c.index, message=p.AssistantMessage(content=c.text),
+                                logprobs=self._chat_logprobs(params, c.token_ids, c.logprobs),
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in out.outputs]
+        return JSONResponse(p.ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                                      usage=self._usage([out])).model_dump())
 
     def _chat_logprobs(self, params: SamplingParams, token_ids: list[int], entries) -> p.ChatLogprobs | None:
@@ -234,17 +250,20 @@ class OpenAIServer:
 
     async def _chat_chunks(self, stream: OutputStream, params: SamplingParams, body: p.ChatCompletionRequest,
                            request_id: str):
-        def chunk(delta: p.DeltaMessage, **fields) -> p.ChatCompletionChunk:
+        def chunk(index: int, delta: p.DeltaMessage, **fields) -> p.ChatCompletionChunk:
             return p.ChatCompletionChunk(id=request_id, model=self.model_name,
-                                         choices=[p.ChatStreamChoice(index=0, delta=delta, **fields)])
+                                         choices=[p.ChatStreamChoice(index=index, delta=delta, **fields)])
 
-        yield chunk(p.DeltaMessage(role="assistant", content=""))
+        for i in range(params.n):
+            yield chunk(i, p.DeltaMessage(role="assistant", content=""))
         async for out in stream:
-            if not (out.delta_text or out.finished or (params.logprobs is not None and out.delta_token_ids)):
-                continue
-            yield chunk(p.DeltaMessage(content=out.delta_text or None),
-                        logprobs=self._chat_logprobs(params, out.delta_token_ids, out.logprobs or []),
-                        finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            _raise_if_failed(out)
+            for c in out.outputs:
+                if not (c.text or c.finished or (params.logprobs is not None and c.token_ids)):
+                    continue
+                yield chunk(c.index, p.DeltaMessage(content=c.text or None),
+                            logprobs=self._chat_logprobs(params, c.token_ids, c.logprobs or []),
+                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             if out.finished and body.include_usage:
                 yield p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=self._usage([out]))
 

@@ -101,19 +101,20 @@ class ServerMetrics:
 
     def observe_finished(self, output: RequestOutput) -> None:
         """Record a finished request (from the engine's monotonic timestamps)."""
-        if output.first_token_time is not None:
-            self.ttft.observe(output.first_token_time - output.arrival_time)
-        for before, after in zip(output.token_times, output.token_times[1:]):
+        m = output.metrics
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+        for before, after in zip(m.token_times, m.token_times[1:]):
             self.itl.observe(after - before)
-        reason = output.finish_reason
+        reason = output.outputs[-1].finish_reason if output.outputs else None
         if reason in self.success:
             self.success[reason].inc()
         self.prompt_tokens.observe(len(output.prompt_token_ids))
-        self.generation_tokens.observe(len(output.token_ids))
-        if reason != RequestStatus.FINISHED_ABORTED.value and output.finish_time is not None:
-            self.e2e.observe(output.finish_time - output.arrival_time)
-            if output.first_token_time is not None:
-                self.decode_time.observe(output.finish_time - output.first_token_time)
+        self.generation_tokens.observe(m.num_generation_tokens)
+        if reason != RequestStatus.FINISHED_ABORTED.value and m.finish_time is not None:
+            self.e2e.observe(m.finish_time - m.arrival_time)
+            if m.first_token_time is not None:
+                self.decode_time.observe(m.finish_time - m.first_token_time)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

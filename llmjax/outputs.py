@@ -1,0 +1,105 @@
+"""What the engine returns, in vLLM's shape: `RequestOutput` holding one `CompletionOutput` per
+sample (`n` of them), and the request's timings under `metrics`.
+
+`LLMEngine.step()` returns DELTAS (vLLM's `RequestOutputKind.DELTA`): each output carries only
+what that step added (new text, new token ids, new logprobs) for the samples that changed, so a
+step costs O(new tokens), not O(tokens so far). Consumers that want whole outputs accumulate
+them with `OutputAccumulator` (the offline API, the server's non-streamed responses, tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request. In a delta: the text, token ids and logprobs this step added;
+    `cumulative_logprob` is the running total (None unless logprobs were requested, as in vLLM)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, sampled token first
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """The request's timings (`time.monotonic()` seconds). `token_times` (when each step that sampled
+    any of its tokens finished) is filled only in the finished output, to keep deltas small."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    num_generation_tokens: int = 0  # over all samples, so far
+    token_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """A request's outputs after a step. `finished` when every sample has finished. `error` is set
+    (and every unfinished sample ends with finish_reason "error") when the engine failed the request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None
+
+    def add(self, delta: RequestOutput) -> None:
+        """Append a later delta of the same request to this (accumulated) output."""
+        by_index = {c.index: c for c in self.outputs}
+        for new in delta.outputs:
+            old = by_index.get(new.index)
+            if old is None:
+                self.outputs.append(_copy(new))
+                continue
+            old.text += new.text
+            old.token_ids.extend(new.token_ids)
+            if new.logprobs is not None:
+                old.logprobs = (old.logprobs or []) + new.logprobs
+            old.cumulative_logprob = new.cumulative_logprob
+            old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished, self.metrics = delta.finished, delta.metrics
+        self.num_cached_tokens, self.error = delta.num_cached_tokens, delta.error
+
+
+def _copy(c: CompletionOutput) -> CompletionOutput:
+    return dataclasses.replace(c, token_ids=list(c.token_ids),
+                               logprobs=None if c.logprobs is None else list(c.logprobs))
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed a request while serving it (its output's `error`); a server error, not the client's."""
+
+
+class OutputAccumulator:
+    """Whole outputs from deltas, by request id. The deltas it is given are never mutated."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[str, RequestOutput] = {}
+
+    def add(self, delta: RequestOutput) -> RequestOutput:
+        """Fold `delta` in; returns the request's accumulated output so far."""
+        whole = self.outputs.get(delta.request_id)
+        if whole is None:
+            whole = dataclasses.replace(delta, outputs=[_copy(c) for c in delta.outputs])
+            whole.outputs.sort(key=lambda c: c.index)
+            self.outputs[delta.request_id] = whole
+        else:
+            whole.add(delta)
+        return whole

@@ -1,0 +1,135 @@
+"""Fault injection: a failure while preparing one request, inside one step, or while appending one
+request's token fails only the requests concerned; afterwards the engine serves the next request
+correctly, the KV invariants hold and no block leaks."""
+
+import jax
+import numpy as np
+import pytest
+
+from llmjax.engine import RequestError
+from llmjax.sampling_params import SamplingParams
+from tests.engine_helpers import GREEDY, dense_greedy, drain, run_to_completion, tiny_engine
+
+RNG = np.random.default_rng(99)
+PROMPTS = [RNG.integers(3, 250, size=n).tolist() for n in (9, 21, 14)]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    return [dense_greedy(engine, p, GREEDY.max_tokens)[0] for p in PROMPTS]
+
+
+def assert_healthy(engine, expected):
+    """Idle, invariants hold, nothing leaked, and a new batch is served exactly."""
+    assert not engine.has_unfinished_requests() and not engine.requests
+    engine.check_kv_invariants()
+    assert engine.kv.usage().used == 0
+    assert [o.outputs[0].token_ids for o in run_to_completion(engine, PROMPTS)] == expected
+    assert engine.kv.usage().used == 0
+
+
+def fail_once(monkeypatch, obj, name, error=RuntimeError("injected failure"), before=None):
+    """Make `obj.name` raise once (after running `before`, if given), then behave normally."""
+    original = getattr(obj, name)
+    calls = []
+
+    def flaky(*args, **kwargs):
+        if not calls:
+            calls.append(1)
+            if before is not None:
+                before()
+            raise error
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, flaky)
+    return calls
+
+
+def test_a_runner_that_raises_once_fails_only_that_step(engine, expected, monkeypatch):
+    first = engine.add_request(PROMPTS[0], GREEDY)
+    engine.step()  # the first request is running (prefilled)
+    second = engine.add_request(PROMPTS[1], GREEDY)
+    calls = fail_once(monkeypatch, engine.runner, "execute")
+    failed = engine.step()  # one step with both: both fail
+    assert calls and {o.request_id for o in failed} == {first, second}
+    for out in failed:
+        assert out.finished and "injected failure" in out.error
+        assert all(c.finish_reason == "error" for c in out.outputs)
+    assert_healthy(engine, expected)
+
+
+def test_a_step_that_loses_the_cache_fails_its_requests_and_drops_the_prefix_cache(engine, expected, monkeypatch):
+    """The device call fails after its donated cache is gone: the step's requests fail, the cache is
+    rebuilt and the prefix cache (whose blocks' contents were lost) is dropped, so later requests
+    that share those prompts are computed again, correctly."""
+    run_to_completion(engine, PROMPTS)
+    assert engine.kv.usage().cached > 0
+    victim = engine.add_request(PROMPTS[0], GREEDY)
+
+    def lose_cache():
+        jax.tree.map(lambda x: x.delete(), engine.runner.cache)
+
+    fail_once(monkeypatch, engine.runner, "execute", before=lose_cache)
+    [failed] = engine.step()
+    assert failed.request_id == victim and failed.finished and "injected failure" in failed.error
+    assert engine.kv.usage().cached == 0
+    assert_healthy(engine, expected)
+
+
+def test_a_tokenizer_that_raises_on_one_prompt_fails_that_request_alone(engine, expected, monkeypatch):
+    good = engine.add_request(PROMPTS[0], GREEDY)
+    original = engine.tokenizer.encode
+
+    def encode(text, *args, **kwargs):
+        if text == "poison":
+            raise UnicodeError("cannot encode this prompt")
+        return original(text, *args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", encode)
+    with pytest.raises(UnicodeError):
+        engine.add_request("poison", GREEDY)
+    [out] = drain(engine, [good])
+    assert out.outputs[0].token_ids == expected[0]
+    assert_healthy(engine, expected)
+
+
+def test_a_detokenizer_that_raises_on_one_token_fails_that_request_alone(engine, expected, monkeypatch):
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    victim = engine._sequences[ids[1]].detokenizer
+    fail_once(monkeypatch, victim, "add")
+    outputs = drain(engine, ids)
+    assert outputs[1].error and outputs[1].outputs[0].finish_reason == "error"
+    assert [outputs[i].outputs[0].token_ids for i in (0, 2)] == [expected[0], expected[2]]
+    assert_healthy(engine, expected)
+
+
+@pytest.mark.parametrize("params, param", [
+    (dict(top_k=10**6), "top_k"), (dict(logit_bias={10**6: 1.0}), "logit_bias"), (dict(n=9), "n"),
+])
+def test_values_the_engine_cannot_serve_are_refused_before_queueing(engine, expected, params, param):
+    with pytest.raises(RequestError) as err:
+        engine.add_request(PROMPTS[0], SamplingParams(**params))
+    assert err.value.param == param
+    assert_healthy(engine, expected)
+
+
+def test_extreme_sampling_values_are_served(engine, expected):
+    vocab = engine.model_config.vocab_size
+    extremes = [
+        SamplingParams(seed=2**64 - 1, top_k=vocab, max_tokens=4),
+        SamplingParams(seed=-(2**63), temperature=1e-30, max_tokens=4),  # below 1e-5: greedy
+        SamplingParams(seed=1099511627776, temperature=1e6, top_p=1e-9, min_p=1.0, max_tokens=4),
+        SamplingParams(temperature=2.0, presence_penalty=-2, frequency_penalty=2, repetition_penalty=1e-6,
+                       logit_bias={3: -100, 4: 100}, min_tokens=4, max_tokens=4),
+    ]
+    outputs = run_to_completion(engine, [PROMPTS[0]] * len(extremes), extremes[0])  # one batch, then mixed
+    ids = [engine.add_request(PROMPTS[i % 3], p) for i, p in enumerate(extremes)]
+    outputs += drain(engine, ids)
+    assert all(o.outputs[0].finish_reason == "length" and not o.error for o in outputs)
+    assert outputs[-3].outputs[0].token_ids == expected[1][:4]  # temperature 1e-30 is greedy
+    assert_healthy(engine, expected)

@@ -1,0 +1,123 @@
+"""The offline API speaks vLLM: prompt forms, the `RequestOutput` shape, delta outputs from
+`LLMEngine.step()`, and parallel sampling (`n` > 1) computing the shared prompt once."""
+
+import numpy as np
+import pytest
+
+from llmjax.config import EngineConfig
+from llmjax.llm import LLM
+from llmjax.sampling_params import SamplingParams
+from tests.engine_helpers import GREEDY, REF_LEN, dense_greedy, drain
+
+RNG = np.random.default_rng(5)
+PROMPT = RNG.integers(3, 250, size=40).tolist()  # 5 whole blocks of 8
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-gqa", engine_config=EngineConfig(
+        max_num_batched_tokens=64, max_num_seqs=8, block_size=8, max_model_len=REF_LEN,
+        kv_cache_memory_bytes=2 << 20, attention_backend="xla"))
+
+
+def test_prompt_forms_and_output_shape(llm):
+    text = "hello world"
+    ids = llm.tokenizer.encode(text)
+    outs = llm.generate([text, {"prompt": text}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    expected, _ = dense_greedy(llm.engine, ids, GREEDY.max_tokens)
+    for out in outs:
+        assert out.finished and out.error is None and out.prompt_token_ids == ids
+        [c] = out.outputs
+        assert c.index == 0 and c.token_ids == expected and c.finish_reason == "length" and c.stop_reason is None
+        assert c.text == llm.tokenizer.decode(expected) and c.logprobs is None and c.cumulative_logprob is None
+        m = out.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finish_time
+        assert len(m.token_times) == len(c.token_ids) and m.token_times == sorted(m.token_times)
+        assert m.num_preemptions == 0
+    assert [o.prompt for o in outs] == [text, text, None]
+    [single] = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    assert single.outputs[0].token_ids == expected
+    assert single.num_cached_tokens == (len(ids) - 1) // 8 * 8  # the earlier runs' full pages
+    with pytest.raises(TypeError, match="prompt_token_ids"):
+        llm.generate([ids], GREEDY)
+    with pytest.raises(TypeError, match="LLM.chat"):
+        llm.generate([[{"role": "user", "content": "hi"}]], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_renders_the_template(llm):
+    conversation = [{"role": "user", "content": "hi"}]
+    [out] = llm.chat(conversation, GREEDY, use_tqdm=False)
+    assert out.prompt_token_ids == llm.tokenizer.encode_chat(conversation)
+
+
+def test_logprobs_and_cumulative_logprob(llm):
+    [out] = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=1.0, seed=3, max_tokens=6,
+                                                                      ignore_eos=True, logprobs=2), use_tqdm=False)
+    [c] = out.outputs
+    assert len(c.logprobs) == 6 and all(len(e) in (2, 3) and t in e for t, e in zip(c.token_ids, c.logprobs))
+    assert c.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(c.token_ids, c.logprobs)), rel=1e-5)
+
+
+def test_step_returns_deltas(llm):
+    engine = llm.engine
+    rid = engine.add_request(PROMPT, GREEDY)
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+    assert all(len(d.outputs) == 1 and len(d.outputs[0].token_ids) == 1 for d in deltas)
+    assert [d.outputs[0].token_ids[0] for d in deltas] == dense_greedy(engine, PROMPT, GREEDY.max_tokens)[0]
+    assert "".join(d.outputs[0].text for d in deltas) == engine.tokenizer.decode(
+        [d.outputs[0].token_ids[0] for d in deltas])
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert all(d.metrics.token_times == [] for d in deltas[:-1]) and len(deltas[-1].metrics.token_times) == 12
+    assert deltas[-1].request_id == rid
+
+
+def test_parallel_sampling_computes_the_prompt_once(llm):
+    engine = llm.engine
+    engine.kv.reset_prefix_cache()
+    computed = []
+    original = engine.runner.execute
+
+    def counting(out, tables):
+        computed.append(sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1))
+        return original(out, tables)
+
+    engine.runner.execute = counting
+    try:
+        before = engine.kv.stats()
+        n = 4
+        params = SamplingParams(n=n, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+        [out] = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+        after = engine.kv.stats()
+    finally:
+        engine.runner.execute = original
+    assert [c.index for c in out.outputs] == list(range(n))
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) == n  # distinct streams per sample
+    # sample 0 computes the 40-token prompt; each sibling finds 4 full pages (32 tokens; the last
+    # prompt token is always computed) and computes 8
+    assert after.hit_tokens - before.hit_tokens == (n - 1) * 32
+    assert sum(computed) == 40 + (n - 1) * 8
+    assert out.num_cached_tokens == 0 and engine.kv.usage().used == 0
+    # the samples are reproducible: sample 0 is the n=1 request with the same seed
+    [one] = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=1.0, seed=11, max_tokens=8,
+                                                                      ignore_eos=True), use_tqdm=False)
+    assert one.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_parallel_greedy_samples_equal_the_reference_and_abort_frees_all(llm):
+    engine = llm.engine
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=12, ignore_eos=True)
+    [out] = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+    expected, _ = dense_greedy(engine, PROMPT, 12)
+    assert [c.token_ids for c in out.outputs] == [expected] * 3  # siblings read the shared KV blocks
+    rid = engine.add_request(PROMPT[:20], params)
+    engine.step()
+    final = engine.abort(rid)
+    assert final.finished and {c.index for c in final.outputs} == {0, 1, 2}
+    assert all(c.finish_reason == "abort" for c in final.outputs)
+    assert not engine.has_unfinished_requests() and engine.kv.usage().used == 0
+    engine.check_kv_invariants()
+    assert drain(engine, []) == []
