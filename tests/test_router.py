@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from llmjax.serve.api import build_app
+from llmjax.serve.cluster import replica_pids
 from llmjax.serve.metrics import parse_metrics
 from llmjax.serve.router import build_router_app
 from llmjax.serve.routing import CacheAware, RoundRobin
@@ -272,7 +273,7 @@ def _free_port() -> int:
 
 
 def _children(pid: int) -> list[tuple[int, str, str]]:
-    """(pid, state, command line) of the processes whose parent is `pid`."""
+    """(pid, state, command line) of the processes whose parent is `pid` (zombies included)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -286,10 +287,6 @@ def _children(pid: int) -> list[tuple[int, str, str]]:
         if int(ppid) == pid:
             found.append((int(entry), state, cmdline))
     return found
-
-
-def _replica_pids(cluster_pid: int) -> list[int]:
-    return [pid for pid, _, cmd in _children(cluster_pid) if "spawn_main" in cmd and "resource_tracker" not in cmd]
 
 
 def test_cluster_restarts_a_killed_replica_and_loses_no_unstarted_request(tmp_path):
@@ -316,7 +313,7 @@ def test_cluster_restarts_a_killed_replica_and_loses_no_unstarted_request(tmp_pa
     try:
         wait_for(lambda: workers_up() == [True, True] or cluster.poll() is not None, timeout=600)
         assert cluster.poll() is None, log_path.read_text()
-        pids = _replica_pids(cluster.pid)
+        pids = replica_pids(cluster.pid)
         assert len(pids) == 2, _children(cluster.pid)
         results, killed = [], []  # (stream, status, chunks received, ok)
 
@@ -338,7 +335,7 @@ def test_cluster_restarts_a_killed_replica_and_loses_no_unstarted_request(tmp_pa
             assert ok or (stream and chunks > 0), (stream, status, chunks)  # only started streams may fail
         assert len([r for r in results if r[0] > killed[0]]) >= 12
         assert "restarted" in log_path.read_text()
-        assert len(_replica_pids(cluster.pid)) == 2
+        assert len(replica_pids(cluster.pid)) == 2
         assert not [c for c in _children(cluster.pid) if c[1] == "Z"], _children(cluster.pid)  # reaped
     finally:
         cluster.send_signal(signal.SIGTERM)

@@ -417,6 +417,7 @@ STRICT_ERRORS = [
     ({"prompt": [1, True]}, "prompt"),
     ({"prompt": [[1, 2], "ab"]}, "prompt"),
     ({"prompt": {"text": "x"}}, "prompt"),
+    ({"prompt": ["x"] * 1025}, "prompt"),
 ]
 
 
@@ -641,3 +642,44 @@ def test_api_key_from_the_environment_and_loopback_hosts(monkeypatch):
     assert resolve_api_key(argparse.Namespace(api_key="flag")) == "flag"
     assert [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "10.1.2.3", "example.com")] == \
         [True, True, True, False, False, False]
+
+
+# --- n > 1 and failed steps (the engine's delta outputs) ---------------------------------------------------
+def test_n_samples_become_choices(client):
+    body = dict(prompt=["abc", "xyz"], n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    whole = complete(client, **body)
+    assert [c["index"] for c in whole["choices"]] == list(range(6))  # prompt i, sample j: index i * n + j
+    texts = [c["text"] for c in whole["choices"]]
+    assert len(set(texts[:3])) > 1 and all(c["finish_reason"] == "length" for c in whole["choices"])
+    assert whole["usage"]["completion_tokens"] == 36
+    events = stream(client, "/v1/completions", **body)
+    streamed = {}
+    for e in events:
+        for c in e["choices"]:
+            streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+    assert [streamed[i] for i in range(6)] == texts  # seeded: the same samples streamed or not
+    chat = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                      "n": 2, **GREEDY}).json()
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    assert chat["choices"][0]["message"] == chat["choices"][1]["message"]  # greedy samples agree
+    assert_no_leak(client)
+
+
+def test_a_failed_engine_step_is_a_500_error_object_and_serving_goes_on(client, app):
+    runner = app.state.server.async_engine.engine.runner
+    execute = runner.execute
+
+    def fail_once(*args, **kwargs):
+        runner.execute = execute
+        raise RuntimeError("injected step failure")
+
+    for path, body in [("/v1/completions", {"prompt": "abc"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
+        runner.execute = fail_once
+        r = client.post(path, json={"model": MODEL, **body, **GREEDY})
+        assert r.status_code == 500 and "injected step failure" in r.json()["error"]["message"], r.text
+        runner.execute = fail_once
+        events = stream(client, path, **body, **GREEDY)
+        assert "injected step failure" in events[-1]["error"]["message"]
+        _good_request(client)
+    assert_no_leak(client)

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -111,6 +113,25 @@ class Supervisor:
                 proc.join()
         if self._thread.is_alive():
             self._thread.join()
+
+
+def replica_pids(cluster_pid: int) -> list[int]:
+    """The replica processes of a running `llmjax cluster` (its "spawn" children, not its
+    multiprocessing resource tracker), read from /proc (Linux); for tests and experiments that
+    kill one. A zombie (an exited, unreaped child) has no command line and is not listed."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == cluster_pid and b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            pids.append(int(entry))
+    return sorted(pids)
 
 
 def wait_healthy(replicas: list[Replica], timeout: float) -> None:

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_valid
 from llmjax.sampling_params import SamplingParams, SamplingParamsError
 
 Prompt = str | list[int]
+MAX_PROMPTS = 1024  # prompts in one completion request (each becomes n engine requests)
 
 
 def random_id(prefix: str) -> str:
@@ -114,6 +115,8 @@ class CompletionRequest(_SamplingRequest):
                              "or list of token-id lists")
         if any(len(p) == 0 for p in items):
             raise ValueError("the prompt is empty")
+        if len(items) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}")
         return prompt
 
     def prompts(self) -> list[Prompt]:
