@@ -28,7 +28,7 @@ import numpy as np
 from llmjax import parallel
 from llmjax.config import EngineConfig
 from llmjax.kv.manager import KVCacheManager
-from llmjax.kv.sizing import num_blocks_from_budget
+from llmjax.kv.sizing import device_memory_stats, kv_budget_bytes, largest_step_shapes, num_blocks_from_budget
 from llmjax.models.loader import LoadedModel, default_dtype, load_model
 from llmjax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmjax.request import Request, RequestStatus
@@ -86,7 +86,13 @@ class LLMEngine:
         self.eos_token_ids = frozenset(model.config.eos_token_ids) | tokenizer.eos_token_ids
         dtype = jnp.dtype(config.dtype or default_dtype())
         kv_dtype = jnp.dtype(config.kv_cache_dtype) if config.kv_cache_dtype else dtype
-        budget = config.kv_cache_memory_bytes or CPU_KV_BUDGET_BYTES
+        budget = config.kv_cache_memory_bytes
+        if budget is None and device_memory_stats() is not None:  # an accelerator: vLLM's rule
+            profiler = ModelRunner(model, config, 2, kv_dtype, self.eos_token_ids)  # weights resident
+            budget = kv_budget_bytes(config.gpu_memory_utilization, device_memory_stats,
+                                     lambda: profiler.warmup(largest_step_shapes(profiler)))
+            del profiler
+        budget = budget or CPU_KV_BUDGET_BYTES
         bytes_per_token = parallel.kv_bytes_per_token_per_device(model.config, kv_dtype.itemsize,
                                                                  config.tensor_parallel_size)
         self.num_blocks = num_blocks_from_budget(budget, config.block_size, bytes_per_token)

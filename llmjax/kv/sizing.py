@@ -1,10 +1,15 @@
-"""How many KV blocks a memory budget holds.
+"""How many KV blocks a memory budget holds, and the budget on an accelerator.
 
 The pool is sized from bytes, never from a count of requests: num_blocks =
 budget // (block_size * kv_bytes_per_token), one of which is the null block.
+On an accelerator the budget is vLLM's: `gpu_memory_utilization` of the device memory, less
+the resident weights and the peak activations of a profiled forward at the largest bucket
+(`kv_budget_bytes`; the memory report is injected, so a test can fake a device).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 
 def kv_bytes_per_token_gqa(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
@@ -42,3 +47,61 @@ def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+# --- the budget on an accelerator (vLLM's rule) ---------------------------------------------------
+# budget = gpu_memory_utilization x device memory - what is resident before the cache (weights)
+#          - the peak activations of the largest step (profiled).
+
+MemoryStats = Callable[[], "dict | None"]
+
+
+def device_memory_stats(device=None) -> dict | None:
+    """The device's allocator report (`bytes_limit`, `bytes_in_use`, `peak_bytes_in_use`), or None
+    where JAX has none (CPU)."""
+    import jax
+
+    device = device or jax.local_devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001  backends without allocator statistics raise
+        return None
+    return stats if stats and "bytes_limit" in stats else None
+
+
+def kv_budget_bytes(utilization: float, memory_stats: MemoryStats, profile: Callable[[], None]) -> int:
+    """KV cache bytes left on the device after weights and the largest step's activations.
+
+    `memory_stats()` is read before and after `profile()`, which must place the weights (if not
+    yet resident) before it is called and run a forward at the largest bucket. Resident bytes
+    before the profile (weights, anything else alive) and the peak's growth during it
+    (activations, workspace) are charged against `utilization x bytes_limit`. The allocator's peak
+    is a lifetime peak, so an earlier higher peak (weight loading) can only overstate the
+    activations: the budget errs small. ValueError when nothing is left.
+    """
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    before = memory_stats()
+    if before is None:
+        raise ValueError("no device memory report: size the KV cache with kv_cache_memory_bytes")
+    profile()
+    after = memory_stats() or before
+    resident = before["bytes_in_use"]
+    activations = max(0, after.get("peak_bytes_in_use", 0) - resident)
+    budget = int(utilization * before["bytes_limit"]) - resident - activations
+    if budget <= 0:
+        raise ValueError(
+            f"no memory left for the KV cache: {utilization:.2f} x {before['bytes_limit'] / 2**30:.2f} GiB "
+            f"- {resident / 2**30:.2f} GiB resident (weights) - {activations / 2**30:.2f} GiB peak "
+            "activations of the largest step <= 0; raise gpu_memory_utilization or lower "
+            "max_num_batched_tokens / max_num_seqs")
+    return budget
+
+
+def largest_step_shapes(runner) -> list[tuple[int, int, int, bool]]:
+    """The (T, S, B, decode_only) buckets with the most activations: the mixed step at
+    `max_num_batched_tokens` and the decode-only step at `max_num_seqs`, full block tables."""
+    cfg, b = runner.config, runner.max_blocks_per_seq
+    t, s, b = runner.shapes_for(cfg.max_num_batched_tokens, cfg.max_num_seqs, b)
+    t_dec, s_dec, _ = runner.shapes_for(cfg.max_num_seqs, cfg.max_num_seqs, b)
+    return [(t, s, b, False), (t_dec, s_dec, b, True)]
