@@ -386,14 +386,21 @@ class Config:
             self.ragged_knobs = []
 
 
-def run_all(cfg):
-    """Every benchmark; returns (peaks, rows). Failures are rows with an `error`."""
+def run_all(cfg, on_rows=None):
+    """Every benchmark; returns (peaks, rows). Failures are rows with an `error`.
+    `on_rows(rows so far)` is called after each group (partial results)."""
     log(f"device: {jax.devices()[0].device_kind}; measuring peaks")
     peak_flops, peak_bw = measure_peaks(cfg)
     log(f"bf16 matmul {peak_flops / 1e12:.1f} TFLOP/s, copy {peak_bw / 1e9:.0f} GB/s")
-    rows = bench_flash(cfg, peak_flops) + bench_decode(cfg, peak_bw) + bench_mla(cfg, peak_bw)
-    rows += bench_ragged_mixed(cfg)
-    rows += bench_sweep(cfg, peak_flops, peak_bw)
+    rows = []
+    benches = [lambda: bench_flash(cfg, peak_flops), lambda: bench_decode(cfg, peak_bw),
+               lambda: bench_mla(cfg, peak_bw), lambda: bench_sweep(cfg, peak_flops, peak_bw)]
+    if cfg.mixed:
+        benches.insert(3, lambda: bench_ragged_mixed(cfg))
+    for bench in benches:
+        rows += bench()
+        if on_rows:
+            on_rows(rows)
     return (peak_flops, peak_bw), rows
 
 
