@@ -187,7 +187,7 @@ class ModelRunner:
         )
         tokens = np.zeros(t, np.int32)
         tokens[:total] = np.concatenate(
-            [s_.request.all_token_ids[s_.start : s_.start + s_.num_new_tokens] for s_ in sched]
+            [s_.request.token_slice(s_.start, s_.start + s_.num_new_tokens) for s_ in sched]
         )
         seq_lens = np.zeros(s, np.int32)
         seq_lens[: len(sched)] = starts + n_new

@@ -39,3 +39,14 @@ def test_warmup_shapes_cover_each_bucket_once(runner):
         assert runner.shapes_for(tokens, n, b) == (t, s, b)
     longer = runner.warmup_shapes(max_context=2048)
     assert {b for *_, b, _ in longer} == {128, 256} and set(shapes) < set(longer)
+
+
+def test_token_slice_equals_slicing_the_whole_sequence():
+    from llmjax.request import Request
+    from llmjax.sampling_params import SamplingParams
+
+    request = Request("r", [11, 12, 13, 14], SamplingParams(), seed=0)
+    request.output_token_ids = [15, 16, 17]
+    for start in range(8):
+        for end in range(start, 9):
+            assert request.token_slice(start, end) == request.all_token_ids[start:end]
