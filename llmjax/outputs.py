@@ -70,7 +70,9 @@ class RequestOutput:
             old.text += new.text
             old.token_ids.extend(new.token_ids)
             if new.logprobs is not None:
-                old.logprobs = (old.logprobs or []) + new.logprobs
+                if old.logprobs is None:
+                    old.logprobs = []
+                old.logprobs.extend(new.logprobs)
             old.cumulative_logprob = new.cumulative_logprob
             old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
         self.outputs.sort(key=lambda c: c.index)

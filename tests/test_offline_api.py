@@ -121,3 +121,23 @@ def test_parallel_greedy_samples_equal_the_reference_and_abort_frees_all(llm):
     assert not engine.has_unfinished_requests() and engine.kv.usage().used == 0
     engine.check_kv_invariants()
     assert drain(engine, []) == []
+
+
+def test_accumulator_folds_deltas_without_mutating_them():
+    from llmjax.outputs import CompletionOutput, OutputAccumulator, RequestMetrics, RequestOutput
+
+    def delta(parts, finished=False):
+        return RequestOutput("r", None, [1, 2], [CompletionOutput(i, t, ids, -float(len(ids)), [{x: -1.0} for x in ids],
+                                                                  "length" if finished else None)
+                                                 for i, t, ids in parts],
+                             finished, RequestMetrics(0.0, token_times=[1.0, 2.0] if finished else []))
+
+    deltas = [delta([(1, "b", [7])]), delta([(0, "a", [5]), (1, "c", [8])]), delta([(0, "d", [6])], finished=True)]
+    snapshot = repr(deltas)
+    acc = OutputAccumulator()
+    for d in deltas:
+        whole = acc.add(d)
+    assert repr(deltas) == snapshot
+    assert [(c.index, c.text, c.token_ids, len(c.logprobs)) for c in whole.outputs] == [(0, "ad", [5, 6], 2),
+                                                                                       (1, "bc", [7, 8], 2)]
+    assert whole.finished and whole.metrics.token_times == [1.0, 2.0] and whole.outputs[0].cumulative_logprob == -1.0
