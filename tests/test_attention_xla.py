@@ -12,6 +12,7 @@ import pytest
 from tests.attention_cases import (assert_close, make_batch, naive_gqa, naive_mla, random_cache,
                              rng)  # noqa: F401  (rng is a fixture)
 from llmjax.attention import xla
+from llmjax.attention.cache_dtype import storage_dtype, to_storage
 
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -65,6 +66,42 @@ def test_gqa_bf16(rng, kind):
     batch = make_batch(rng, kind)
     out, ref = run_gqa(rng, batch, num_kv_heads=2, group=4, dtype=jnp.bfloat16)
     assert_close(out, ref, batch, **TOL[jnp.bfloat16])
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_bf16_cache_stored_as_uint16_bits(rng, decode_only):
+    """A bfloat16 cache held as its uint16 bit pattern (the CPU storage) reads the same values."""
+    batch = make_batch(rng, "decode" if decode_only else "mixed")
+    q = jnp.asarray(rng.standard_normal((batch.num_tokens, 6, 16)), jnp.bfloat16)
+    k = random_cache(rng, batch, 2, (2, 16), jnp.bfloat16)
+    v = random_cache(rng, batch, 2, (2, 16), jnp.bfloat16)
+    stored = [to_storage(x, storage_dtype(jnp.bfloat16, "cpu")) for x in (k, v)]
+    assert stored[0].dtype == jnp.uint16
+    f = jax.jit(functools.partial(xla.ragged_paged_attention, sm_scale=0.25, decode_only=decode_only))
+    out = f(q, *stored, jnp.int32(1), *batch.args())
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(f(q, k, v, jnp.int32(1), *batch.args()), np.float32))
+    assert_close(out, naive_gqa(q, k, v, 1, batch, 0.25), batch, **TOL[jnp.bfloat16])
+
+
+def test_uint16_cache_is_never_widened_whole():
+    """XLA:CPU widens a bfloat16 operand of a gather inside a loop to float32 as a whole (the whole
+    cache, every step); the uint16 storage must compile to block gathers only."""
+    layers, blocks = 3, 64
+    cache = jnp.zeros((layers, blocks, 8, 2, 16), jnp.uint16)
+    q = jnp.zeros((8, 4, 16), jnp.bfloat16)
+    args = (jnp.array([0, 1, 8]), jnp.array([5, 9]), jnp.ones((2, 4), jnp.int32), jnp.int32(1))
+
+    def all_layers(q, k, v):
+        def body(_, layer):
+            return None, xla.ragged_paged_attention(q, k, v, layer, *args, sm_scale=0.25)
+        return jax.lax.scan(body, None, jnp.arange(layers, dtype=jnp.int32))[1]
+
+    hlo = jax.jit(all_layers).lower(q, cache, cache).compile().as_text()
+    whole = f"[{layers},{blocks},8,2,16]"
+    widened = [line for line in hlo.splitlines() if "convert(" in line and f"f32{whole}" in line]
+    assert not widened, widened
 
 
 def test_prefill_tiles_cover_every_prefill_token_once(rng):

@@ -31,7 +31,9 @@ Cost per call, with `K` = a group's longest context rounded up to a chunk:
   `group * H * q_tile * chunk` f32 scores. Nothing is ever copied per token, and the
   cache is indexed as `cache[layer, block_ids]` in one gather (no per-layer copy).
 
-Scores and softmax are float32 whatever the input dtype; the output has q's dtype.
+Scores and softmax are float32 whatever the input dtype; the output has q's dtype. The cache
+may hold float32 or bfloat16 values, the latter possibly stored as uint16 bits (see
+`llmjax.attention.cache_dtype`); gathered rows are widened to float32 after the gather.
 Keys past a request's context never contribute, even if the cache holds NaN there.
 Padded requests and padded tokens produce zeros.
 """
@@ -43,6 +45,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from llmjax.attention.cache_dtype import to_float32
 
 Q_TILE = 32  # prefill query tokens per tile
 TILE_GROUP = 4  # prefill tiles per group (one outer-loop step)
@@ -190,14 +194,14 @@ def _attend_rows(out, q_parts, load: Loader, num_kv_heads, block_size, req, tok,
             ids = lax.dynamic_slice_in_dim(g_tables, c * chunk_blocks, chunk_blocks, axis=1)
             keys, v = load(ids)
             kpos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-            s = sum(_qk(qp, kp.astype(jnp.float32)) for qp, kp in zip(qs, keys)) * sm_scale
+            s = sum(_qk(qp, to_float32(kp)) for qp, kp in zip(qs, keys)) * sm_scale
             visible = kpos[None, None, :] <= g_pos[:, :, None]  # [R, Q, C]
             s = jnp.where(visible[:, None, None], s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(-1))
             alpha = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[..., None])
             in_ctx = (kpos[None, :] < kv_lens[:, None])[:, :, None, None]  # [R, C, 1, 1]
-            v = jnp.where(in_ctx, v.astype(jnp.float32), 0.0)
+            v = jnp.where(in_ctx, to_float32(v), 0.0)
             return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + _pv(p, v)
 
         shape = (rows, num_kv_heads, group, q_len)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from llmjax.attention.cache_dtype import to_storage, to_values, value_dtype
 from llmjax.config import ModelConfig
 from llmjax.models.layers import RMSNorm, RotaryEmbedding, linear
 from llmjax.step_input import StepInput
@@ -70,7 +71,8 @@ class PagedContext:
     """Attention of a mixed batch over the paged KV cache (the engine's path; MLA always absorbed).
 
     `backend` provides `ragged_paged_attention` and `mla_ragged_paged_attention`
-    (see `llmjax.attention.backend`); `decode_only` is static (every request has one token).
+    (see `llmjax.attention.backend`); `decode_only` is static (every request has one token);
+    `plan`: the backend's per-step metadata (`backend.plan`), passed to every layer's call.
     """
 
     step: StepInput
@@ -78,11 +80,20 @@ class PagedContext:
     block_size: int
     decode_only: bool = False
     absorb_mla: bool = True
+    plan: Any = None
 
     def _write(self, cache_array: jax.Array, layer, values: jax.Array) -> jax.Array:
         blocks = self.step.slot_mapping // self.block_size
         offsets = self.step.slot_mapping % self.block_size
-        return cache_array.at[layer, blocks, offsets].set(values.astype(cache_array.dtype))
+        return cache_array.at[layer, blocks, offsets].set(to_storage(values, cache_array.dtype))
+
+    def _read_view(self, cache_array: jax.Array) -> jax.Array:
+        """The cache as the backend reads it: "xla" reads the storage dtype (uint16 bits of a
+        bfloat16 cache on CPU); the kernels get bfloat16 (a copy: only in CPU interpret mode)."""
+        return cache_array if self.backend.name == "xla" else to_values(cache_array)
+
+    def _plan(self) -> dict:
+        return {} if self.plan is None else {"plan": self.plan}
 
     def _metadata(self):
         s = self.step
@@ -92,16 +103,19 @@ class PagedContext:
         k_cache, v_cache = cache
         k_cache = self._write(k_cache, layer, k)
         v_cache = self._write(v_cache, layer, v)
-        out = self.backend.ragged_paged_attention(
-            q, k_cache, v_cache, layer, *self._metadata(), sm_scale=scale, decode_only=self.decode_only
+        out = self.backend.ragged_paged_attention(  # q in the cache's value dtype, as the kernels expect
+            q.astype(value_dtype(k_cache.dtype)), self._read_view(k_cache), self._read_view(v_cache), layer,
+            *self._metadata(), sm_scale=scale, decode_only=self.decode_only, **self._plan(),
         )
         return out.astype(q.dtype), (k_cache, v_cache)
 
     def mla(self, q_latent, q_rope, latent, k_rope, layer, cache, scale):
         (latent_cache,) = cache
         latent_cache = self._write(latent_cache, layer, jnp.concatenate([latent, k_rope], axis=-1))
+        dtype = value_dtype(latent_cache.dtype)
         out = self.backend.mla_ragged_paged_attention(
-            q_latent, q_rope, latent_cache, layer, *self._metadata(), sm_scale=scale, decode_only=self.decode_only
+            q_latent.astype(dtype), q_rope.astype(dtype), self._read_view(latent_cache), layer, *self._metadata(),
+            sm_scale=scale, decode_only=self.decode_only, **self._plan(),
         )
         return out.astype(q_latent.dtype), (latent_cache,)
 
@@ -175,12 +189,17 @@ class MLAAttention(nnx.Module):
         k_rope = self.rope(kv[..., None, r:], positions)[..., 0, :]
         w_uk, w_uv = self._up_projections()
         if ctx.absorb_mla:
-            q_latent = jnp.einsum("...hn,rhn->...hr", q_nope, w_uk)
+            q_latent = _matmul("...hn,rhn->...hr", q_nope, w_uk)
             out_latent, cache = ctx.mla(q_latent, q_rope, latent, k_rope, layer, cache, self.scale)
-            out = jnp.einsum("...hr,rhv->...hv", out_latent, w_uv)
+            out = _matmul("...hr,rhv->...hv", out_latent, w_uv)
         else:
-            k_nope = jnp.einsum("...r,rhn->...hn", latent, w_uk)
-            v = jnp.einsum("...r,rhv->...hv", latent, w_uv)
+            k_nope = _matmul("...r,rhn->...hn", latent, w_uk)
+            v = _matmul("...r,rhv->...hv", latent, w_uv)
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[..., None, :], (*lead, h, rope_dim))], axis=-1)
             out, cache = ctx.gqa(jnp.concatenate([q_nope, q_rope], axis=-1), k, v, layer, cache, self.scale)
         return self.o_proj(out.reshape(*lead, h * dv)), cache
+
+
+def _matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """einsum of activations and a weight in the weight's dtype, accumulated in float32 (as `linear`)."""
+    return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)

@@ -2,6 +2,11 @@
 
 All layers work on any leading shape (`[..., features]`): the dense forward feeds `[B, T, d]`,
 the paged forward feeds the flat `[T, d]` of a mixed batch.
+
+Precision: parameters are stored in the model dtype (float32, or bfloat16 for the mixed-precision
+path); every linear layer casts its input to the parameter dtype and accumulates in float32
+(`preferred_element_type`), so activations (the residual stream, norms, RoPE, softmax) stay float32
+whatever the parameter dtype.
 """
 
 from __future__ import annotations
@@ -17,15 +22,19 @@ from llmjax.config import ModelConfig, yarn_mscale
 
 
 def linear(in_features: int, out_features: int, *, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    """A linear layer with kernel `[in, out]` (HF stores `[out, in]`; the loader transposes)."""
+    """A linear layer with kernel `[in, out]` (HF stores `[out, in]`; the loader transposes).
+
+    Inputs are cast to `dtype` (the parameter dtype); the product accumulates in, and returns,
+    float32."""
     return nnx.Linear(
         in_features, out_features, use_bias=bias, dtype=dtype, param_dtype=dtype,
-        kernel_init=nnx.initializers.normal(0.02), rngs=rngs,
+        preferred_element_type=jnp.float32, kernel_init=nnx.initializers.normal(0.02), rngs=rngs,
     )
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * weight, computed in float32 and cast back (as HF Llama does)."""
+    """x / rms(x) * weight, computed in float32; the result has the wider of x's and weight's dtypes
+    (float32 activations stay float32 with bfloat16 weights)."""
 
     def __init__(self, features: int, eps: float, dtype):
         self.weight = nnx.Param(jnp.ones((features,), dtype))
@@ -34,7 +43,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * xf.astype(x.dtype)
+        return self.weight[...] * xf.astype(x.dtype)  # float32 x: promoted to float32
 
 
 class MLP(nnx.Module):

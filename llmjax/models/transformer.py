@@ -1,5 +1,8 @@
 """The decoder: embedding, a stack of layers run with `jax.lax.scan`, final norm, LM head.
 
+Mixed precision: parameters in the model dtype (float32 or bfloat16), the residual stream and
+logits in float32, every matmul accumulating in float32 (see `layers.py`).
+
 Layer parameters are stacked along a leading `num_layers` axis (created with `nnx.vmap`), so
 compile time does not grow with depth. Two entry points share every layer:
 
@@ -14,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from llmjax.attention.cache_dtype import storage_dtype
 from llmjax.config import ModelConfig
 from llmjax.models.attention import AttentionContext, Cache, DenseContext, GQAAttention, MLAAttention, PagedContext
 from llmjax.models.layers import MLP, RMSNorm, linear
@@ -71,24 +75,31 @@ class Transformer(nnx.Module):
         """LM head (tied to the embedding when the config says so); float32 logits."""
         if self.config.tie_word_embeddings:
             w = self.embed_tokens.embedding[...]
-            return jnp.einsum("...d,vd->...v", hidden, w, preferred_element_type=jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+            return jnp.einsum("...d,vd->...v", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        return self.lm_head(hidden)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token embeddings as the float32 residual stream (whatever the parameter dtype)."""
+        return self.embed_tokens(tokens).astype(jnp.float32)
 
     def __call__(self, tokens: jax.Array, *, absorb_mla: bool = False) -> jax.Array:
         """Dense causal forward over `[B, T]` tokens at positions 0..T-1 -> logits `[B, T, V]`."""
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        hidden, _ = self._run_layers(self.embed_tokens(tokens), positions, DenseContext(absorb_mla), ())
+        hidden, _ = self._run_layers(self.embed(tokens), positions, DenseContext(absorb_mla), ())
         return self.logits(hidden)
 
     def forward_paged(self, cache: Cache, step: StepInput, backend, block_size: int, decode_only: bool = False):
         """One engine step: writes the new tokens' KV into `cache`, returns (logits `[S, V]`, cache)."""
-        ctx = PagedContext(step, backend, block_size, decode_only)
-        hidden, cache = self._run_layers(self.embed_tokens(step.token_ids), step.positions, ctx, cache)
+        plan = backend.plan(step, self.config, decode_only) if getattr(backend, "plan", None) else None
+        ctx = PagedContext(step, backend, block_size, decode_only, plan=plan)  # plan: once, not per layer
+        hidden, cache = self._run_layers(self.embed(step.token_ids), step.positions, ctx, cache)
         return self.logits(hidden[step.logits_indices]), cache
 
 
 def init_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> Cache:
-    """Zeroed paged KV cache arrays (see docs/architecture.md for the layout)."""
+    """Zeroed paged KV cache arrays holding `dtype` values (see docs/architecture.md for the layout;
+    a bfloat16 cache on CPU is stored as uint16 bits, `llmjax.attention.cache_dtype`)."""
+    dtype = storage_dtype(dtype)
     if cfg.attention == "mla":
         shape = (cfg.num_layers, num_blocks, block_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         return (jnp.zeros(shape, dtype),)
