@@ -22,10 +22,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from llmjax import parallel
+from llmjax.cpu_flags import apply_cpu_flags
 from llmjax.config import EngineConfig
 from llmjax.kv.manager import KVCacheManager
 from llmjax.kv.sizing import device_memory_stats, kv_budget_bytes, largest_step_shapes, num_blocks_from_budget
@@ -84,8 +86,8 @@ class LLMEngine:
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(model.config.eos_token_ids) | tokenizer.eos_token_ids
-        dtype = jnp.dtype(config.dtype or default_dtype())
-        kv_dtype = jnp.dtype(config.kv_cache_dtype) if config.kv_cache_dtype else dtype
+        weights_dtype = jax.tree.leaves(model.params)[0].dtype
+        kv_dtype = jnp.dtype(config.kv_cache_dtype) if config.kv_cache_dtype else jnp.dtype(weights_dtype)
         budget = config.kv_cache_memory_bytes
         if budget is None and device_memory_stats() is not None:  # an accelerator: vLLM's rule
             profiler = ModelRunner(model, config, 2, kv_dtype, self.eos_token_ids)  # weights resident
@@ -113,6 +115,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, model: str | None = None, config: EngineConfig | None = None, seed: int = 0) -> LLMEngine:
         config = config or EngineConfig()
+        apply_cpu_flags()  # before anything starts JAX's backend
         parallel.initialize_distributed(config)
         enable_compilation_cache(config.compilation_cache_dir)
         dtype = jnp.dtype(config.dtype or default_dtype())
