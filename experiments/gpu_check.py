@@ -274,16 +274,19 @@ def kernel_cases(tiny):
     if tiny:  # one case per code path of this function; the kernels' tests cover the rest
         ragged("mixed", 2, False, fp32)
         return cases
-    for kind, group, decode_only, dtype in [
-            ("mixed", 1, False, fp32), ("mixed", 2, False, fp32), ("prefill", 4, False, fp32),
-            ("mixed", 8, False, fp32), ("decode", 2, False, fp32), ("decode", 3, True, fp32),
-            ("mixed", 4, False, bf16), ("decode", 8, True, bf16)]:
-        ragged(kind, group, decode_only, dtype)
+    for kind, group, decode_only, dtype, kn in [
+            ("mixed", 1, False, fp32, dict(num_splits=1, pages_per_step=1)),
+            ("mixed", 2, False, fp32, dict(num_splits=3, pages_per_step=2)),
+            ("prefill", 4, False, fp32, dict(pages_per_step=4)),
+            ("mixed", 8, False, fp32, dict(num_splits=2, tile_rows=32)),
+            ("decode", 2, False, fp32, dict(num_splits=1)), ("decode", 3, True, fp32, {}),
+            ("mixed", 4, False, bf16, {}), ("decode", 8, True, bf16, {})]:
+        ragged(kind, group, decode_only, dtype, **kn)
     ragged("mixed", 3, False, bf16, dim=64, max_blocks=64, max_q=300)  # SmolLM2's heads
     ragged("mixed", 4, False, bf16, dim=128, max_blocks=128, max_q=200)
     ragged("decode", 4, True, bf16, dim=128, max_blocks=256)
-    for splits in (1, 3, None):
-        decode(splits)
+    for splits, pages in ((1, 1), (3, 2), (None, None)):
+        decode(splits, pages_per_step=pages)
     decode(None, dim=128, max_blocks=256)
     for kind, heads, decode_only, dtype in [("mixed", 4, False, fp32), ("prefill", 20, False, fp32),
                                             ("decode", 4, True, fp32), ("mixed", 8, False, bf16)]:

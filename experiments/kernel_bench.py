@@ -380,10 +380,17 @@ class Config:
             self.mla = [(64, 2048, 16, 512, 64)]
             self.mixed = (64, 2048, 2, 512, 2048, 32, 8, 128)
             self.sweep_shapes = ((1, 4096, 4096, 32, 8, 128), (64, 4096, 32, 8, 128), self.mixed)
-            self.flash_knobs = [dict(block_q=bq, block_k=bk) for bq, bk in
-                                ((64, 64), (128, 64), (128, 128))]
-            self.decode_knobs = [dict(num_splits=s) for s in (1, 2, 4, 8)]
-            self.ragged_knobs = []
+            self.flash_knobs = [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
+                                for bq, bk, w, st in ((64, 64, 4, 3), (128, 64, 4, 3),
+                                                      (128, 64, 8, 3), (128, 128, 8, 2),
+                                                      (128, 64, 4, 4))]
+            self.decode_knobs = [dict(pages_per_step=p, num_splits=s, num_warps=w)
+                                 for p, s, w in ((1, None, 4), (2, None, 4), (4, None, 4),
+                                                 (8, None, 4), (4, 1, 4), (4, 16, 4),
+                                                 (4, None, 8))]
+            self.ragged_knobs = [dict(num_splits=s, tile_rows=r, pages_per_step=p)
+                                 for s, r, p in ((1, 64, 4), (None, 64, 4), (None, 128, 4),
+                                                 (None, 64, 8))]
 
 
 def run_all(cfg, on_rows=None):

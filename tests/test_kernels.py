@@ -103,22 +103,22 @@ def test_plan_tiles_covers_every_token_once(rng):
         assert (owner >= 0).all(), "a token is in no tile: the static tile bound is too small"
 
 
-@pytest.mark.parametrize("kind,group,decode_only,dtype", [
-    ("mixed", 1, False, jnp.float32),
-    ("mixed", 2, False, jnp.float32),
-    ("prefill", 4, False, jnp.float32),
-    ("mixed", 8, False, jnp.float32),
-    ("decode", 2, False, jnp.float32),   # decodes through the tiled path
-    ("decode", 3, True, jnp.float32),    # decode_only: the split-K kernel; group padded to 4
-    ("mixed", 4, False, jnp.bfloat16),
-    ("decode", 8, True, jnp.bfloat16),
+@pytest.mark.parametrize("kind,group,decode_only,dtype,knobs", [
+    ("mixed", 1, False, jnp.float32, dict(num_splits=1, pages_per_step=1)),
+    ("mixed", 2, False, jnp.float32, dict(num_splits=3, pages_per_step=2)),  # split decode tiles
+    ("prefill", 4, False, jnp.float32, dict(pages_per_step=4)),  # steps past the table's end
+    ("mixed", 8, False, jnp.float32, dict(num_splits=2, tile_rows=32)),
+    ("decode", 2, False, jnp.float32, dict(num_splits=1)),   # decodes through the tiled path
+    ("decode", 3, True, jnp.float32, dict(pages_per_step=2)),  # decode kernel; group padded to 4
+    ("mixed", 4, False, jnp.bfloat16, {}),
+    ("decode", 8, True, jnp.bfloat16, {}),
 ])
-def test_ragged(rng, kind, group, decode_only, dtype):
+def test_ragged(rng, kind, group, decode_only, dtype, knobs):
     batch = make_batch(rng, kind, block_size=BS, max_blocks=5, max_q=40, num_padded=2)
     q, k, v, layer = gqa_inputs(rng, batch, num_kv_heads=2, group=group, dtype=dtype)
     args = (layer, *batch.args())
     out = ragged_paged_attention(q, k, v, *args, sm_scale=0.25, decode_only=decode_only,
-                                 interpret=INTERPRET)
+                                 interpret=INTERPRET, **knobs)
     ref = jax.jit(functools.partial(xla.ragged_paged_attention, sm_scale=0.25,
                                     decode_only=decode_only))(*f32(q, k, v), *args)
     assert out.dtype == q.dtype
@@ -143,14 +143,15 @@ def test_ragged_rejects_unsupported_shapes(rng):
 
 # --- paged decode attention (split-K) ---
 
-@pytest.mark.parametrize("num_splits", [1, 3, None])
-def test_paged_decode(rng, num_splits):
+@pytest.mark.parametrize("num_splits,pages_per_step", [(1, 1), (3, 2), (None, None)])
+def test_paged_decode(rng, num_splits, pages_per_step):
     batch = make_batch(rng, "decode", block_size=BS, max_blocks=8, num_padded=2)
     q, k, v, layer = gqa_inputs(rng, batch, num_kv_heads=2, group=4)
     qsl, seq_lens, tables, _ = batch.args()
     rows = q[qsl[:-1]]  # padded requests read a padded token: their output must be 0
     out = paged_attention(rows, k, v, layer, seq_lens, tables, sm_scale=0.25,
-                          num_splits=num_splits, interpret=INTERPRET)
+                          num_splits=num_splits, pages_per_step=pages_per_step,
+                          interpret=INTERPRET)
     n = seq_lens.shape[0]
     ref = xla.ragged_paged_attention(rows, k, v, layer, jnp.arange(n + 1), seq_lens, tables,
                                      jnp.int32(n), sm_scale=0.25, decode_only=True)
@@ -167,18 +168,18 @@ def mla_inputs(rng, batch, *, heads, rank=32, rope=16, dtype=jnp.float32):
     return ql, qr, random_cache(rng, batch, 2, (rank + rope,), dtype), jnp.int32(1)
 
 
-@pytest.mark.parametrize("kind,heads,decode_only,dtype", [
-    ("mixed", 4, False, jnp.float32),
-    ("prefill", 20, False, jnp.float32),  # two head blocks, the second partial
-    ("decode", 4, True, jnp.float32),     # split-K
-    ("mixed", 8, False, jnp.bfloat16),
+@pytest.mark.parametrize("kind,heads,decode_only,dtype,knobs", [
+    ("mixed", 4, False, jnp.float32, dict(num_splits=2)),  # split decode tiles
+    ("prefill", 20, False, jnp.float32, {}),  # two head blocks, the second partial
+    ("decode", 4, True, jnp.float32, dict(num_splits=3, pages_per_step=1)),  # split-K
+    ("mixed", 8, False, jnp.bfloat16, {}),
 ])
-def test_mla(rng, kind, heads, decode_only, dtype):
+def test_mla(rng, kind, heads, decode_only, dtype, knobs):
     batch = make_batch(rng, kind, block_size=BS, max_blocks=6, max_q=40)
     ql, qr, lat, layer = mla_inputs(rng, batch, heads=heads, dtype=dtype)
     args = (layer, *batch.args())
     out = mla_ragged_paged_attention(ql, qr, lat, *args, sm_scale=0.2, decode_only=decode_only,
-                                     interpret=INTERPRET)
+                                     interpret=INTERPRET, **knobs)
     ref = jax.jit(functools.partial(xla.mla_ragged_paged_attention, sm_scale=0.2,
                                     decode_only=decode_only))(*f32(ql, qr, lat), *args)
     assert_matches(out, ref, dtype)
@@ -206,18 +207,21 @@ def dense_attention(q, k, v, *, causal, q_offset):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v, precision="highest")
 
 
-@pytest.mark.parametrize("q_len,kv_len,heads,kv_heads,head_dim,causal,dtype", [
-    (40, 40, 4, 4, 64, True, jnp.float32),      # MHA, partial last tiles
-    (20, 75, 8, 1, 64, True, jnp.float32),      # MQA, chunked prefill (q offset 55)
-    (33, 33, 4, 2, 48, True, jnp.float32),      # head dim padded to 64
-    (24, 40, 2, 2, 16, False, jnp.float32),     # non-causal
-    (48, 48, 8, 2, 128, True, jnp.bfloat16),
+@pytest.mark.parametrize("q_len,kv_len,heads,kv_heads,head_dim,causal,dtype,blocks", [
+    (40, 40, 4, 4, 64, True, jnp.float32, (16, 16)),     # MHA, partial last tiles
+    (20, 75, 8, 1, 64, True, jnp.float32, (16, 16)),     # MQA, chunked prefill (q offset 55)
+    (33, 33, 4, 2, 48, True, jnp.float32, (16, 32)),     # head dim padded to 64
+    (24, 40, 2, 2, 16, False, jnp.float32, (16, 16)),    # non-causal
+    (48, 48, 8, 2, 128, True, jnp.bfloat16, (16, 16)),
+    (150, 290, 2, 1, 64, True, jnp.bfloat16, (None, None)),  # the default 128 x 64 tiles
+    (10, 12, 2, 1, 32, True, jnp.float32, (None, None)),  # sequences shorter than one tile
 ])
-def test_flash(rng, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype):
+def test_flash(rng, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype, blocks):
     q = jnp.asarray(rng.standard_normal((2, q_len, heads, head_dim)), dtype)
     k = jnp.asarray(rng.standard_normal((2, kv_len, kv_heads, head_dim)), dtype)
     v = jnp.asarray(rng.standard_normal((2, kv_len, kv_heads, head_dim)), dtype)
-    out = flash_attention(q, k, v, causal=causal, block_q=16, block_k=16, interpret=INTERPRET)
+    out = flash_attention(q, k, v, causal=causal, block_q=blocks[0], block_k=blocks[1],
+                          interpret=INTERPRET)
     assert out.shape == q.shape and out.dtype == dtype
     assert_matches(out, dense_attention(q, k, v, causal=causal, q_offset=kv_len - q_len), dtype)
 
@@ -248,16 +252,40 @@ def test_backend_names(monkeypatch):
             get_attention_backend("pallas")
 
 
-def test_pallas_interpret_backend_in_scan(rng):
-    """The model's use: inside jit, inside lax.scan over layers with a traced layer."""
+def test_pallas_backend_in_scan_with_a_step_plan(rng):
+    """The model's use: inside jit, inside lax.scan over layers with a traced layer, the
+    tile plan computed once outside the scan (`backend.plan`)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from llmjax.config import PRESETS
     batch = make_batch(rng, "mixed", block_size=BS, max_blocks=3)
     q, k, v, _ = gqa_inputs(rng, batch, num_kv_heads=1, group=2)
     args = batch.args()
+    step = SimpleNamespace(token_ids=q[:, 0, 0], query_start_loc=args[0], seq_lens=args[1])
+    model_config = dataclasses.replace(PRESETS["tiny-gqa"], num_heads=2, num_kv_heads=1)
 
     def all_layers(backend):
-        def body(_, layer):
-            return None, backend.ragged_paged_attention(q, k, v, layer, *args, sm_scale=0.25)
-        return jax.jit(lambda: jax.lax.scan(body, None, jnp.arange(2, dtype=jnp.int32))[1])()
+        def run():
+            plan = backend.plan(step, model_config, False) if backend.plan else None
+            kw = {} if plan is None else {"plan": plan}
+
+            def body(_, layer):
+                return None, backend.ragged_paged_attention(q, k, v, layer, *args, sm_scale=0.25,
+                                                            **kw)
+            return jax.lax.scan(body, None, jnp.arange(2, dtype=jnp.int32))[1]
+        return jax.jit(run)()
 
     out = all_layers(get_attention_backend("pallas-interpret" if INTERPRET else "pallas"))
     assert_matches(out, all_layers(get_attention_backend("xla")), jnp.float32)
+
+
+def test_ragged_rejects_a_plan_of_another_tiling(rng):
+    from pallas_kernels.ragged_paged_attention import plan_step
+    batch = make_batch(rng, "mixed", block_size=BS, max_blocks=3)
+    q, k, v, layer = gqa_inputs(rng, batch, num_kv_heads=1, group=2)
+    qsl, seq_lens, tables, nd = batch.args()
+    plan = plan_step(qsl, seq_lens, q.shape[0], 2, 1, decode_only=False, tile_rows=16)
+    with pytest.raises(ValueError, match="plan of shape"):
+        ragged_paged_attention(q, k, v, layer, qsl, seq_lens, tables, nd, sm_scale=0.25, plan=plan,
+                               interpret=INTERPRET)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
@@ -26,9 +26,26 @@ PALLAS_VERIFIED_JAX: tuple[str, ...] = ()  # JAX versions on which gpu_check.py 
 
 @dataclass(frozen=True)
 class AttentionBackend:
+    """`plan(step, model_config, decode_only)`, when set, computes per-step metadata once,
+    outside the layer scan; the model passes it to every layer's call as `plan=`."""
+
     name: str
     ragged_paged_attention: Callable[..., jax.Array]
     mla_ragged_paged_attention: Callable[..., jax.Array]
+    plan: Callable[..., Any] | None = None
+
+
+def _pallas_plan(step, model_config, decode_only: bool):
+    """The Pallas kernels' tile metadata for one step (see their `plan_step`)."""
+    from pallas_kernels.mla_attention import plan_step as mla_plan_step
+    from pallas_kernels.ragged_paged_attention import plan_step as gqa_plan_step
+
+    num_tokens = step.token_ids.shape[0]
+    if model_config.attention == "mla":
+        return mla_plan_step(step.query_start_loc, step.seq_lens, num_tokens,
+                             model_config.num_heads, decode_only=decode_only)
+    return gqa_plan_step(step.query_start_loc, step.seq_lens, num_tokens, model_config.num_heads,
+                         model_config.num_kv_heads, decode_only=decode_only)
 
 
 def default_backend_name(platform: str | None = None, jax_version: str | None = None) -> str:
@@ -56,4 +73,5 @@ def get_attention_backend(name: str | None = None) -> AttentionBackend:
     return AttentionBackend(
         name,
         functools.partial(pallas_kernels.ragged_paged_attention, interpret=interpret),
-        functools.partial(pallas_kernels.mla_ragged_paged_attention, interpret=interpret))
+        functools.partial(pallas_kernels.mla_ragged_paged_attention, interpret=interpret),
+        plan=_pallas_plan)
