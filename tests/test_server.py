@@ -328,7 +328,8 @@ def test_metrics_names(client):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
                  "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
-                 "e2e_request_latency_seconds_count", "request_success_total", "request_decode_time_seconds_count",
+                 "e2e_request_latency_seconds_count", "request_success_total", "request_queue_time_seconds_count",
+                 "request_prefill_time_seconds_count", "request_decode_time_seconds_count",
                  "request_prompt_tokens_count", "request_generation_tokens_count", "engine_errors_total",
                  "cache_config_info"):
         assert f"llmjax:{name}" in m, name
@@ -354,7 +355,8 @@ def test_request_metrics_count_each_finished_request(client):
     assert sum(success.values()) - sum(success_before.values()) == 2
     assert delta("request_prompt_tokens_count") == 2 and delta("request_prompt_tokens_sum") == 10
     assert delta("request_generation_tokens_count") == 2 and 6 <= delta("request_generation_tokens_sum") <= 8
-    assert delta("request_decode_time_seconds_count") == 2
+    for name in ("queue", "prefill", "decode"):
+        assert delta(f"request_{name}_time_seconds_count") == 2
 
 
 # --- what the schemas refuse ---------------------------------------------------------------------------------

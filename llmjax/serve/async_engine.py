@@ -15,7 +15,8 @@ Threads and ownership:
   for the loop, so it answers at once even during a long step.
 
 A command that raises fails only its caller (an exception other than `RequestError` and
-`SamplingParamsError` also counts in `EngineStats.num_engine_errors`). If the loop itself raises
+`SamplingParamsError` also counts in `EngineStats.num_engine_errors`, as does each request the
+engine finished with an `error`). If the loop itself raises
 (a step that the engine could not contain), the engine is dead: every open stream receives the
 exception, later commands fail with `EngineDeadError`, `health()` reports it, and `on_dead()`
 runs once on the loop thread (the server uses it to exit, so a supervisor restarts it).
@@ -59,7 +60,7 @@ class EngineStats:
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    num_engine_errors: int = 0  # unexpected exceptions in commands (admission) or the loop
+    num_engine_errors: int = 0  # requests the engine failed (admission or step exceptions), a dead loop
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,8 @@ class AsyncEngine:
         loop.call_soon_threadsafe(outputs.put_nowait, output)
         if output.finished:
             del self._streams[output.request_id]
+            if output.error is not None:  # the engine failed it (a step's exception)
+                self.num_engine_errors += 1
             if self.on_finished is not None:
                 self.on_finished(output)
 

@@ -24,7 +24,7 @@ from llmjax.request import RequestStatus
 from llmjax.serve.async_engine import EngineStats
 
 PREFIX = "llmjax:"
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0, 160.0)
 
@@ -52,7 +52,7 @@ class _EngineCollector:
             ("num_preemptions", "Requests preempted (recomputed later).", s.num_preemptions),
             ("prompt_tokens", "Prompt tokens of accepted requests.", s.prompt_tokens),
             ("generation_tokens", "Generated tokens.", s.generation_tokens),
-            ("engine_errors", "Unexpected engine exceptions (a request admitted or a step failed).",
+            ("engine_errors", "Requests the engine failed (an exception admitting or stepping them), a dead loop.",
              s.num_engine_errors),
         ]:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
@@ -86,6 +86,8 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive generated tokens.")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish, for requests not aborted.")
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first generated token.")
         self.decode_time = histogram("request_decode_time_seconds",
                                      "First generated token to finish, for requests not aborted.")
         tokens = token_buckets(max_model_len)
@@ -102,6 +104,10 @@ class ServerMetrics:
     def observe_finished(self, output: RequestOutput) -> None:
         """Record a finished request (from the engine's monotonic timestamps)."""
         m = output.metrics
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            if m.first_token_time is not None:
+                self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
         for before, after in zip(m.token_times, m.token_times[1:]):
