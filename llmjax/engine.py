@@ -245,8 +245,9 @@ class LLMEngine:
                 self._append_token(request, parent, result, i, now)
             except Exception as exc:  # e.g. the detokenizer on this request's token: fail it alone
                 log.exception("request %s failed", parent.request_id)
-                changed.pop(parent.request_id, None)
-                failed.append(self._end(parent, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}"))
+                done_in_step = changed.pop(parent.request_id, [])
+                failed.append(self._end(parent, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}",
+                                        done_in_step))
                 continue
             changed.setdefault(parent.request_id, []).append(request)
         outputs = [self._output(self._parents[pid], children) for pid, children in changed.items()
@@ -302,9 +303,12 @@ class LLMEngine:
         self.scheduler.finish(request, status)
         self.runner.release(request.request_id)
 
-    def _end(self, parent: _Parent, status: RequestStatus, error: str | None = None) -> RequestOutput:
-        """End every unfinished sample of `parent` with `status`; returns the final delta output."""
+    def _end(self, parent: _Parent, status: RequestStatus, error: str | None = None,
+             changed: Sequence[Request] = ()) -> RequestOutput:
+        """End every unfinished sample of `parent` with `status`; returns the final delta output (of
+        those samples and of `changed`, samples whose new tokens were not returned yet)."""
         unfinished = [c for c in parent.children if not c.status.finished]
+        reported = [c for c in parent.children if c in changed or c in unfinished]
         held = set(map(id, parent.held))
         parent.held = []
         for child in unfinished:
@@ -312,7 +316,7 @@ class LLMEngine:
                 child.status, child.finish_time = status, time.monotonic()
             else:
                 self._finish(child, status)
-        output = self._output(parent, unfinished)
+        output = self._output(parent, reported)
         output.error = error
         return output
 

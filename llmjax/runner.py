@@ -1,8 +1,10 @@
 """The model runner: pads a scheduled batch into a `StepInput`, runs one jitted step, returns tokens.
 
-Owns the KV cache arrays and the jitted step. The step is a pure function of
-(parameters, cache, StepInput, SamplingInput); the cache is donated, so the KV write happens in
-place and no step copies the cache. Shapes are bucketed (powers of two) for tokens T, requests S
+Owns the KV cache arrays, the logits-processing tables (`PenaltyState`: one row per running
+request that uses penalties, logit bias or min_tokens; see `llmjax.sampler`) and the jitted step.
+The step is a pure function of (parameters, cache, penalty tables, StepInput, SamplingInput); the
+cache and the tables are donated, so the KV write and the token counts happen in place and no
+step copies the cache. Shapes are bucketed (powers of two) for tokens T, requests S
 and blocks per request B; `decode_only` and the logprob count are static. A counter in the traced
 body counts compilations: serving a workload twice compiles nothing the second time.
 
