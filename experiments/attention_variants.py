@@ -1,6 +1,9 @@
-"""MHA, GQA, MQA and MLA at equal hidden size (256) and depth (4): KV cache size, capacity, speed, quality.
+"""MHA, GQA, MQA and MLA at equal hidden size (256), depth (4) and parameter count: KV cache size, capacity,
+speed, quality.
 
-For each preset (`tiny-mha`, `tiny-gqa`, `tiny-mqa`, `tiny-mla`; 8 query heads of 32 dims):
+For each preset (`tiny-mha`, `tiny-gqa`, `tiny-mqa`, `tiny-mla`; 8 query heads of 32 dims), with its MLP
+width changed so that its parameter count is within 2% of MHA's (`matched_configs`: the variants with
+smaller attention get a wider MLP, so quality differences are not parameter differences):
 1. KV bytes per token from the formula (fp32 here: 4 bytes an element): MHA 2·n_h·d_h·l, GQA 2·n_g·d_h·l,
    MQA 2·d_h·l, MLA (d_c + d_h^R)·l; and as actually allocated by the engine (bytes of the paged KV arrays
    over the token slots they hold).
@@ -11,15 +14,18 @@ For each preset (`tiny-mha`, `tiny-gqa`, `tiny-mqa`, `tiny-mla`; 8 query heads o
 4. Quality: each variant trained on the same byte-level corpus (the Python standard library's source,
    bytes as token ids < 512), once per seed in `--seeds` (a seed fixes the initialisation and the batch
    order, identical across variants), AdamW; validation loss and perplexity on held-out files (the
-   same validation batches for every run): the mean over seeds and its spread (max - min), and the
-   loss curves of the first seed.
+   same validation batches for every run). Each variant is compared with MHA seed by seed (paired:
+   same batches, same seed): the mean difference in validation loss and its 95% t-interval over seeds;
+   the verdict on each of the papers' claims is read from those intervals (`quality_verdict`).
 
-    python experiments/attention_variants.py [--train-steps 300] [--seeds 0,1] [--kv-budget-mib 16]
+    python experiments/attention_variants.py [--train-steps 300] [--seeds 0,1,2,3,4] [--kv-budget-mib 16]
+    python experiments/attention_variants.py --quick     (smoke run into build/results-quick/)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sysconfig
 import time
 from pathlib import Path
@@ -31,7 +37,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from common import RESULTS, EngineConfig, make_engine, table, write_report  # noqa: E402
+from common import EngineConfig, results_dir, table, write_report  # noqa: E402
 from llmjax.config import PRESETS, ModelConfig  # noqa: E402
 from llmjax.kv.manager import KVCacheManager  # noqa: E402
 from llmjax.sampling_params import SamplingParams  # noqa: E402
@@ -39,6 +45,47 @@ from llmjax.sampling_params import SamplingParams  # noqa: E402
 VARIANTS = {"MHA": "tiny-mha", "GQA": "tiny-gqa", "MQA": "tiny-mqa", "MLA": "tiny-mla"}
 DTYPE_BYTES = 4  # float32 on CPU
 VALIDATION_SEED = 12345  # the validation windows, the same for every variant and seed
+PARAM_TOLERANCE = 0.02  # parameter counts matched to MHA's within 2%
+CONFIDENCE = 0.95
+GQA_MARGIN = 0.02  # nats/byte: "GQA close to MHA" means the interval of GQA - MHA lies within +-0.02
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Parameters of a randomly initialised model of `cfg` (shapes only, nothing computed)."""
+    import jax
+    from flax import nnx
+
+    from llmjax.models.transformer import Transformer
+
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    return sum(x.size for x in jax.tree.leaves(nnx.state(abstract)))
+
+
+def matched_configs() -> dict[str, ModelConfig]:
+    """Each variant's preset with its MLP width (a multiple of 8) set so its parameter count is as close as
+    possible to MHA's: parameters grow by 3 x hidden x layers per unit of width (gate, up and down
+    projections). ValueError if one cannot be brought within PARAM_TOLERANCE."""
+    target = param_count(PRESETS[VARIANTS["MHA"]])
+    out = {}
+    for name, preset in VARIANTS.items():
+        cfg = PRESETS[preset]
+        per_unit = 3 * cfg.hidden_size * cfg.num_layers
+        width = cfg.intermediate_size + round((target - param_count(cfg)) / per_unit / 8) * 8
+        cfg = dataclasses.replace(cfg, intermediate_size=width)
+        if abs(param_count(cfg) / target - 1) > PARAM_TOLERANCE:
+            raise ValueError(f"{name}: {param_count(cfg)} parameters against MHA's {target}")
+        out[name] = cfg
+    return out
+
+
+def build(name: str, cfg: ModelConfig, seed: int = 0):
+    """A `LoadedModel` of `cfg` with random weights (float32), named after its preset."""
+    import jax.numpy as jnp
+
+    from llmjax.models.loader import LoadedModel, ModelSource, random_params
+
+    graphdef, params = random_params(cfg, jnp.float32, seed)
+    return LoadedModel(cfg, graphdef, params, ModelSource("preset", VARIANTS[name]))
 
 
 def formula(cfg: ModelConfig) -> tuple[str, int]:
@@ -93,20 +140,18 @@ def corpus(max_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     return train, val
 
 
-def train(preset: str, train_ids, val_ids, steps: int, batch: int, seq: int, seed: int) -> dict:
-    """AdamW (lr 1e-3, warm-up then cosine) on next-byte prediction; val loss every steps/10."""
+def train(name: str, cfg: ModelConfig, train_ids, val_ids, steps: int, batch: int, seq: int,
+          seeds: list[int]) -> list[dict]:
+    """One run per seed: AdamW (lr 1e-3, warm-up then cosine) on next-byte prediction, val loss every
+    steps/10. The step is compiled once per variant and shared by its seeds."""
     import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
 
-    from llmjax.models.loader import load_model
-
-    model = load_model(preset, seed=seed)
-    graphdef, params = model.graphdef, model.params
+    graphdef = build(name, cfg).graphdef
     sched = optax.warmup_cosine_decay_schedule(0.0, 1e-3, max(steps // 10, 1), steps, 1e-4)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
-    opt_state = opt.init(params)
 
     def loss_fn(p, x):
         logits = nnx.merge(graphdef, p)(x[:, :-1])
@@ -119,36 +164,53 @@ def train(preset: str, train_ids, val_ids, steps: int, batch: int, seq: int, see
         return optax.apply_updates(p, updates), s, loss
 
     eval_loss = jax.jit(loss_fn)
-    rng = np.random.default_rng(seed)  # the same batches for every variant
     val_rng = np.random.default_rng(VALIDATION_SEED)
-    val_batches = [windows(val_ids, val_rng, batch, seq) for _ in range(8)]
-    curve, val_curve = [], []
-    for i in tqdm(range(steps), desc=f"train {preset}", unit="step", leave=False):
-        params, opt_state, loss = step(params, opt_state, jnp.asarray(windows(train_ids, rng, batch, seq)))
-        curve.append(float(loss))
-        if (i + 1) % max(steps // 10, 1) == 0 or i + 1 == steps:
-            val_curve.append((i + 1, float(np.mean([eval_loss(params, jnp.asarray(b)) for b in val_batches]))))
-    return {"train": curve, "val": val_curve, "val_loss": val_curve[-1][1], "tokens": steps * batch * seq}
+    val_batches = [jnp.asarray(windows(val_ids, val_rng, batch, seq)) for _ in range(8)]
+    runs = []
+    for seed in seeds:
+        params = build(name, cfg, seed).params
+        opt_state = opt.init(params)
+        rng = np.random.default_rng(seed)  # the same batches for every variant
+        curve, val_curve = [], []
+        for i in tqdm(range(steps), desc=f"train {name}, seed {seed}", unit="step", leave=False):
+            params, opt_state, loss = step(params, opt_state, jnp.asarray(windows(train_ids, rng, batch, seq)))
+            curve.append(float(loss))
+            if (i + 1) % max(steps // 10, 1) == 0 or i + 1 == steps:
+                val_curve.append((i + 1, float(np.mean([eval_loss(params, b) for b in val_batches]))))
+        runs.append({"train": curve, "val": val_curve, "val_loss": val_curve[-1][1], "tokens": steps * batch * seq})
+    return runs
 
 
-def quality_verdict(rows: list[dict]) -> str:
-    """The loss differences to MHA, set against the seed spread, and whether the papers' ordering holds."""
-    loss = {r["variant"]: r["val_loss"] for r in rows}
-    noise = max(r["val_spread"] for r in rows)
-    diffs = ", ".join(f"{v} {loss[v] - loss['MHA']:+.3f}" for v in ("GQA", "MQA", "MLA"))
+def paired_interval(a: list[float], b: list[float]) -> dict[str, float]:
+    """Mean of the per-seed differences a - b and its CONFIDENCE t-interval over seeds."""
+    from scipy import stats
 
-    def claim(text: str, holds: bool, margin: float) -> str:
-        strength = "beyond" if abs(margin) > noise else "within"
-        return f"{text}: {'yes' if holds else 'no'} ({strength} the seed spread)"
+    d = np.asarray(a) - np.asarray(b)
+    half = stats.t.ppf((1 + CONFIDENCE) / 2, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))
+    return {"mean": float(d.mean()), "lo": float(d.mean() - half), "hi": float(d.mean() + half)}
 
-    checks = [
-        claim("GQA within 0.02 of MHA (GQA paper: close to MHA)", abs(loss["GQA"] - loss["MHA"]) <= 0.02,
-              loss["GQA"] - loss["MHA"]),
-        claim("MQA worse than GQA (GQA paper: MQA a little worse)", loss["MQA"] > loss["GQA"], loss["MQA"] - loss["GQA"]),
-        claim("MLA at least as good as MHA (DeepSeek-V2)", loss["MLA"] <= loss["MHA"], loss["MLA"] - loss["MHA"]),
-    ]
-    return (f"Quality against MHA (val loss difference, nats/byte): {diffs}; largest seed spread {noise:.3f}. "
-            "Does ours agree with the papers? " + "; ".join(checks) + ".")
+
+def quality_verdict(diffs: dict[str, dict[str, float]]) -> str:
+    """The papers' claims, each read from a paired interval: "yes" when the interval lies where the claim
+    needs it, "no" when it lies on the other side, "not resolved" when it straddles."""
+    def ci(key: str) -> str:
+        d = diffs[key]
+        return f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]"
+
+    def side(key: str, holds_below: float) -> str:  # claim: the difference is below `holds_below`
+        d = diffs[key]
+        return "yes" if d["hi"] < holds_below else "no" if d["lo"] > holds_below else "not resolved"
+
+    g = diffs["GQA - MHA"]
+    close = ("yes" if -GQA_MARGIN <= g["lo"] and g["hi"] <= GQA_MARGIN else
+             "no" if g["lo"] > GQA_MARGIN or g["hi"] < -GQA_MARGIN else "not resolved")
+    mqa_worse = {"yes": "no", "no": "yes"}.get(side("MQA - GQA", 0.0), "not resolved")
+    mla = diffs["MLA - MHA"]
+    mla_ok = "yes" if mla["hi"] <= 0 else "no" if mla["lo"] > 0 else "not resolved (the interval holds 0: as good, within the noise)"
+    return (f"Paired differences in validation loss (nats/byte), mean [{CONFIDENCE:.0%} interval over seeds]: "
+            + ", ".join(f"{k} {ci(k)}" for k in diffs) + ". Does ours agree with the papers? "
+            f"GQA close to MHA (interval within +-{GQA_MARGIN}): {close}; MQA worse than GQA (interval of MQA - GQA "
+            f"above 0): {mqa_worse}; MLA at least as good as MHA (interval of MLA - MHA at or below 0): {mla_ok}.")
 
 
 def windows(ids: np.ndarray, rng: np.random.Generator, batch: int, seq: int) -> np.ndarray:
@@ -193,18 +255,30 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--seeds", default="0,1", help="comma-separated training seeds")
+    ap.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated training seeds (at least 2)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 20 training steps, seeds 0,1, 16 decode "
+                    "tokens; written to build/results-quick/")
     args = ap.parse_args()
+    if args.quick:
+        args.train_steps, args.seeds, args.decode_tokens = 20, "0,1", 16
+    seeds = [int(x) for x in args.seeds.split(",")]
+    if len(seeds) < 2:
+        ap.error("--seeds needs at least two seeds for an interval")
+    out = results_dir(args.quick)
 
+    from llmjax.engine import LLMEngine
+    from llmjax.tokenizer import CharTokenizer
+
+    configs = matched_configs()
     budget = int(args.kv_budget_mib * (1 << 20))
     train_ids, val_ids = corpus(4 << 20)
     rows, runs = [], {}
-    for name, preset in tqdm(VARIANTS.items(), desc="KV size, capacity, decode", unit="variant"):
-        cfg = PRESETS[preset]
+    for name, cfg in tqdm(configs.items(), desc="KV size, capacity, decode", unit="variant"):
         text, elems = formula(cfg)
-        engine = make_engine(preset, EngineConfig(kv_cache_memory_bytes=budget, max_model_len=args.request_len,
-                                                  max_num_seqs=args.max_batch, max_num_batched_tokens=2048,
-                                                  enable_prefix_caching=False))
+        engine = LLMEngine(build(name, cfg), CharTokenizer(),
+                           EngineConfig(kv_cache_memory_bytes=budget, max_model_len=args.request_len,
+                                        max_num_seqs=args.max_batch, max_num_batched_tokens=2048,
+                                        enable_prefix_caching=False))
         cache = engine.runner.cache
         allocated = sum(a.nbytes for a in (cache if isinstance(cache, (tuple, list)) else [cache])) \
             / (engine.num_blocks * engine.config.block_size)
@@ -212,55 +286,63 @@ def main() -> None:
         batch = min(cap, args.max_batch)
         tok_s = decode_throughput(engine, batch, args.request_len // 2, args.decode_tokens)
         rows.append({"variant": name, "heads": f"{cfg.num_heads}/{cfg.num_kv_heads if cfg.attention == 'gqa' else '-'}",
-                     "formula": text, "elements": elems, "formula_bytes": elems * DTYPE_BYTES,
-                     "config_bytes": cfg.kv_bytes_per_token(DTYPE_BYTES), "allocated": allocated, "capacity": cap,
-                     "batch": batch, "decode_tok_s": tok_s,
-                     "params_m": sum(x.size for x in __import__("jax").tree.leaves(engine.runner.params)) / 1e6})
+                     "mlp_width": cfg.intermediate_size, "formula": text, "elements": elems,
+                     "formula_bytes": elems * DTYPE_BYTES, "config_bytes": cfg.kv_bytes_per_token(DTYPE_BYTES),
+                     "allocated": allocated, "capacity": cap, "batch": batch, "decode_tok_s": tok_s,
+                     "params_m": param_count(cfg) / 1e6})
         del engine
     # Training after every timing, so the decode measurements never share the CPU with it.
-    seeds = [int(s) for s in args.seeds.split(",")]
-    for name, row in zip(VARIANTS, rows):
-        runs[name] = [train(VARIANTS[name], train_ids, val_ids, args.train_steps, args.batch, args.seq, seed)
-                      for seed in seeds]
-        losses = [run["val_loss"] for run in runs[name]]
-        row["val_loss"], row["val_spread"] = float(np.mean(losses)), float(np.ptp(losses))
+    for name, cfg in tqdm(configs.items(), desc="training (all seeds of a variant)", unit="variant"):
+        runs[name] = train(name, cfg, train_ids, val_ids, args.train_steps, args.batch, args.seq, seeds)
+    losses = {name: [run["val_loss"] for run in rs] for name, rs in runs.items()}
+    for row in rows:
+        row["val_losses"] = losses[row["variant"]]
+        row["val_loss"] = float(np.mean(row["val_losses"]))
         row["ppl"] = float(np.exp(row["val_loss"]))
+    diffs = {f"{v} - MHA": paired_interval(losses[v], losses["MHA"]) for v in ("GQA", "MQA", "MLA")}
+    diffs["MQA - GQA"] = paired_interval(losses["MQA"], losses["GQA"])
     mha = rows[0]
     for r in rows:
         r["vs_mha"] = r["allocated"] / mha["allocated"]
-    RESULTS.mkdir(exist_ok=True)
-    plot(rows, runs, RESULTS / "attention_variants.png")
-    columns = [("variant", "variant", ""), ("heads", "q/kv heads", ""), ("params_m", "params (M)", ".2f"),
-               ("formula", "KV elements/token", ""), ("formula_bytes", "formula bytes", "d"),
-               ("allocated", "allocated bytes", ".0f"), ("vs_mha", "vs MHA", ".3f"),
-               ("capacity", f"requests in {args.kv_budget_mib:g} MiB", "d"), ("batch", "batch run", "d"),
-               ("decode_tok_s", "decode tok/s", ".0f"), ("val_loss", "val loss", ".3f"),
-               ("val_spread", "seed spread", ".3f"), ("ppl", "val ppl", ".2f")]
+    out.mkdir(parents=True, exist_ok=True)
+    plot(rows, runs, out / "attention_variants.png")
+    columns = [("variant", "variant", ""), ("heads", "q/kv heads", ""), ("mlp_width", "MLP width", "d"),
+               ("params_m", "params (M)", ".3f"), ("formula", "KV elements/token", ""),
+               ("formula_bytes", "formula bytes", "d"), ("allocated", "allocated bytes", ".0f"),
+               ("vs_mha", "vs MHA", ".3f"), ("capacity", f"requests in {args.kv_budget_mib:g} MiB", "d"),
+               ("batch", "batch run", "d"), ("decode_tok_s", "decode tok/s", ".0f"),
+               ("val_loss", "val loss (mean)", ".3f"), ("ppl", "val ppl", ".2f")]
     tokens = runs["MHA"][0]["tokens"]
     best = min(rows, key=lambda r: r["val_loss"])
     g, q, m = rows[1], rows[2], rows[3]
+    params = [r["params_m"] for r in rows]
+    seed_table = ["| seed | " + " | ".join(configs) + " |", "| ---: |" + " ---: |" * len(configs)]
+    seed_table += [f"| {seed} | " + " | ".join(f"{losses[v][k]:.4f}" for v in configs) + " |"
+                   for k, seed in enumerate(seeds)]
     body = "\n".join([
         "![KV size, capacity, throughput and loss curves](attention_variants.png)", "",
-        f"Presets with hidden size 256, 4 layers, 8 query heads of 32 dims (MLA: d_c=64, d_h^R=16). KV budget "
-        f"{args.kv_budget_mib:g} MiB, requests of {args.request_len} tokens; decode throughput on this CPU at "
-        f"min(capacity, {args.max_batch}) requests. Training: {args.train_steps} AdamW steps of {args.batch}x{args.seq} "
-        f"bytes ({tokens / 1e6:.2f}M tokens) of the Python standard library's source per run, seeds {args.seeds} "
-        "(identical batches across variants); validation on held-out files (loss in nats per byte, mean over "
-        "seeds; seed spread = max - min).", "",
+        f"Presets with hidden size 256, 4 layers, 8 query heads of 32 dims (MLA: d_c=64, d_h^R=16), each MLP "
+        f"widened so the parameter counts match MHA's within {PARAM_TOLERANCE:.0%} (here {min(params):.3f}-"
+        f"{max(params):.3f}M, {max(params) / min(params) - 1:.2%} apart). KV budget {args.kv_budget_mib:g} MiB, "
+        f"requests of {args.request_len} tokens; decode throughput on this CPU at min(capacity, {args.max_batch}) "
+        f"requests. Training: {args.train_steps} AdamW steps of {args.batch}x{args.seq} bytes ({tokens / 1e6:.2f}M "
+        f"tokens) of the Python standard library's source per run, seeds {args.seeds} (identical batches across "
+        "variants); validation on held-out files (loss in nats per byte).", "",
         table(rows, columns), "",
         f"Headline: per token GQA keeps {g['vs_mha']:.0%}, MQA {q['vs_mha']:.1%}, MLA {m['vs_mha']:.1%} of MHA's KV, so "
         f"{args.kv_budget_mib:g} MiB holds {mha['capacity']} / {g['capacity']} / {q['capacity']} / {m['capacity']} requests "
-        f"(MHA/GQA/MQA/MLA); val loss {mha['val_loss']:.3f} / {g['val_loss']:.3f} / {q['val_loss']:.3f} / "
-        f"{m['val_loss']:.3f} (best: {best['variant']}).",
+        f"(MHA/GQA/MQA/MLA); mean val loss {mha['val_loss']:.3f} / {g['val_loss']:.3f} / {q['val_loss']:.3f} / "
+        f"{m['val_loss']:.3f} (lowest: {best['variant']}).",
         "",
-        quality_verdict(rows),
+        quality_verdict(diffs),
         "",
-        f"Caveat: {min(r['params_m'] for r in rows):.1f}-{max(r['params_m'] for r in rows):.1f}M parameters and "
-        f"{tokens / 1e6:.2f}M training tokens per run; the papers' claims are about billion-parameter models "
-        "trained on far more data.",
+        "Validation loss per seed:", "", *seed_table, "",
+        f"Caveat: {min(params):.2f}M parameters and {tokens / 1e6:.2f}M training tokens per run; the papers' "
+        "claims are about billion-parameter models trained on far more data.",
     ])
     write_report("attention_variants", "Attention variants: MHA, GQA, MQA, MLA", body,
-                 {"rows": rows, "curves": runs, "args": vars(args)})
+                 {"rows": rows, "curves": runs, "args": vars(args),
+                  "quality": {"seeds": seeds, "confidence": CONFIDENCE, "diffs": diffs}}, out)
 
 
 if __name__ == "__main__":

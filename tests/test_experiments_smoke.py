@@ -57,14 +57,38 @@ def test_synergy_ladder_adds_one_optimization_per_rung(gpu):
     assert ladder[0].attention_backend == "xla" and ladder[0].scheduling_policy == "static"
 
 
-def test_quality_verdict_weighs_differences_against_the_seed_spread():
-    losses = {"MHA": 1.00, "GQA": 1.01, "MQA": 1.10, "MLA": 1.03}
-    rows = [{"variant": v, "val_loss": x, "val_spread": 0.02} for v, x in losses.items()]
-    verdict = attention_variants.quality_verdict(rows)
-    assert "GQA +0.010, MQA +0.100, MLA +0.030" in verdict
-    assert "close to MHA): yes (within the seed spread)" in verdict
-    assert "a little worse): yes (beyond the seed spread)" in verdict
-    assert "(DeepSeek-V2): no (beyond the seed spread)" in verdict
+def test_paired_interval_is_the_t_interval_of_the_per_seed_differences():
+    a, b = [1.00, 1.02, 0.99, 1.03, 1.01], [0.98, 0.99, 0.99, 1.00, 0.97]
+    d = np.subtract(a, b)
+    half = 2.7764451051977987 * d.std(ddof=1) / np.sqrt(5)  # t quantile 0.975, 4 degrees of freedom
+    ci = attention_variants.paired_interval(a, b)
+    assert ci["mean"] == pytest.approx(d.mean()) and ci["lo"] == pytest.approx(d.mean() - half)
+    assert ci["hi"] == pytest.approx(d.mean() + half)
+
+
+def test_quality_verdict_reads_each_claim_from_its_interval():
+    diffs = {"GQA - MHA": {"mean": 0.001, "lo": -0.005, "hi": 0.007},   # inside +-0.02: close
+             "MQA - MHA": {"mean": 0.05, "lo": 0.03, "hi": 0.07},
+             "MLA - MHA": {"mean": 0.01, "lo": -0.01, "hi": 0.03},    # straddles 0
+             "MQA - GQA": {"mean": 0.049, "lo": 0.02, "hi": 0.08}}    # above 0: MQA worse
+    verdict = attention_variants.quality_verdict(diffs)
+    assert "GQA - MHA +0.001 [-0.005, +0.007]" in verdict
+    assert "GQA close to MHA (interval within +-0.02): yes" in verdict
+    assert "MQA worse than GQA (interval of MQA - GQA above 0): yes" in verdict
+    assert "at or below 0): not resolved" in verdict
+    diffs["MQA - GQA"] = {"mean": -0.05, "lo": -0.07, "hi": -0.03}
+    diffs["GQA - MHA"] = {"mean": 0.05, "lo": 0.03, "hi": 0.07}
+    verdict = attention_variants.quality_verdict(diffs)
+    assert "MQA - GQA above 0): no" in verdict and "within +-0.02): no" in verdict
+
+
+def test_variant_parameter_counts_are_matched():
+    counts = {v: attention_variants.param_count(c) for v, c in attention_variants.matched_configs().items()}
+    assert max(counts.values()) / min(counts.values()) - 1 <= 0.02 * 1.03
+    mha = PRESETS["tiny-mha"]  # an independent count of MHA: embedding and LM head, 4 layers of attention + MLP + norms, final norm
+    h, w, layers = mha.hidden_size, mha.intermediate_size, mha.num_layers
+    per_layer = 4 * h * h + 3 * h * w + 2 * h
+    assert counts["MHA"] == 2 * mha.vocab_size * h + layers * per_layer + h  # untied LM head
 
 
 def test_results_files_are_stamped_with_commit_command_and_machine(tmp_path):
