@@ -96,3 +96,22 @@ def test_truncated_gguf_is_refused(tmp_path):
     bad.write_bytes(embedded_model_path().read_bytes()[:200_000])
     with pytest.raises(WeightLoadError, match="not a readable GGUF"):
         load_model(str(bad))
+
+
+def test_bfloat16_layer_weights_stored_as_bits_compute_the_same():
+    """On CPU the stacked bfloat16 layer weights are held as uint16 bits (the scan bitcasts each layer's
+    slice); the logits equal those of the same bfloat16 weights held as bfloat16."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from llmjax.models.loader import random_params
+    from llmjax.models.transformer import store_layer_weights
+
+    cfg = load_model("tiny-gqa").config
+    graphdef, plain = random_params(cfg, jnp.bfloat16, seed=3)
+    stored = store_layer_weights(plain, platform="cpu")
+    assert {x.dtype for x in jax.tree.leaves(stored)} == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16)}
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)))
+    np.testing.assert_array_equal(np.asarray(nnx.merge(graphdef, stored)(tokens)),
+                                  np.asarray(nnx.merge(graphdef, plain)(tokens)))

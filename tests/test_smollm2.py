@@ -110,3 +110,49 @@ def test_engine_greedy_equals_hf_generate(hf, ours):
         assert done[rid].token_ids == _hf_greedy(hf_model, prompt, 20), f"prompt {tokenizer.decode(prompt)!r}"
     answer = done[ids[0]].text
     assert "Paris" in answer
+
+
+NEAR_TIE = 0.5  # float32 logit gap below which two tokens count as tied under bfloat16 rounding
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def test_engine_bfloat16_greedy_agrees_with_hf_bfloat16(hf):
+    """The mixed-precision path (bfloat16 weights and KV cache, float32 accumulation and activations)
+    against HF transformers in bfloat16: greedy outputs equal, or the first difference falls where the
+    two tokens' logits under HF float32 differ by less than NEAR_TIE (rounding can flip a near-tie;
+    after that the sequences are no longer comparable)."""
+    import jax.numpy as jnp
+    from transformers import AutoModelForCausalLM
+
+    hf32, _ = hf
+    path = embedded_model_path()
+    hf16 = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
+    loaded = load_model(None, dtype=jnp.bfloat16)
+    tokenizer = load_tokenizer(loaded.source, loaded.config.eos_token_ids)
+    engine = LLMEngine(loaded, tokenizer, EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, max_model_len=256,
+                                                       kv_cache_memory_bytes=64 << 20))
+    assert engine.runner.cache[0].dtype.itemsize == 2  # the KV cache follows the weights
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {out.request_id: out.outputs[0].token_ids for out in drain(engine, ids)}
+    equal = 0
+    for rid, prompt in zip(ids, prompts):
+        ours = done[rid]
+        with torch.no_grad():
+            out = hf16.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                                pad_token_id=0, eos_token_id=None)
+        theirs = out[0, len(prompt):].tolist()
+        i = _first_divergence(ours, theirs)
+        if i is None:
+            equal += 1
+            continue
+        with torch.no_grad():
+            logits = hf32(torch.tensor([prompt + theirs[:i]])).logits[0, -1]
+        gap = abs(float(logits[theirs[i]] - logits[ours[i]]))
+        assert gap < NEAR_TIE, f"prompt {tokenizer.decode(prompt)!r}: token {i} differs with a float32 gap {gap:.3f}"
+    assert equal >= len(prompts) // 2, f"only {equal} of {len(prompts)} greedy outputs equal"
+

