@@ -1,6 +1,7 @@
 """Per-step device time of the engine's jitted step on representative batches, and attention's share.
 
-Builds the engine (embedded SmolLM2-135M; T=512, S=64, max_model_len 1024, 1 GiB of KV), makes
+Builds the engine for each of `--dtypes` (embedded SmolLM2-135M; T=512, S=64, max_model_len 1024,
+1 GiB of KV; bfloat16 is the mixed-precision path with a bfloat16 KV cache), makes
 realistic `StepInput`s (distinct block tables, real positions and slots, greedy sampling) and runs
 them through `engine.runner._step`, next to the same step with other attention implementations:
 
@@ -15,6 +16,7 @@ shared, noisy CPU slows them alike; the table gives medians of wall time and of 
 (engine - no attention) / engine.
 
     python experiments/step_profile.py [--baseline-ref REV] [--cases decode,mixed,prefill]
+                                       [--dtypes float32,bfloat16]
                                        [--repeats 5] [--out results/step_profile.md]
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import statistics
 import subprocess
 import sys
@@ -95,6 +98,7 @@ def main() -> None:
     parser.add_argument("--baseline-ref", default=None, help="git revision whose attention/xla.py is the baseline")
     parser.add_argument("--cases", default="decode,mixed,prefill")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="model dtypes to profile side by side")
     parser.add_argument("--out", default=None, help="also write the markdown table here")
     args = parser.parse_args()
 
@@ -105,23 +109,26 @@ def main() -> None:
     from llmjax.config import EngineConfig
     from llmjax.engine import LLMEngine
 
-    config = EngineConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=1024,
-                          kv_cache_memory_bytes=1 << 30)
-    engine = LLMEngine.from_config(None, config)
-    runner = engine.runner
-    bs = config.block_size
+    engines, variants = {}, {}
+    for dtype in args.dtypes.split(","):
+        config = EngineConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=1024,
+                              kv_cache_memory_bytes=1 << 30, dtype=dtype)
+        engine = engines[dtype] = LLMEngine.from_config(None, config)
+        runner = engine.runner
 
-    def step_fn(backend):
-        fn, _ = runner_mod._make_step_function(runner.graphdef, backend, bs, runner.layout)
-        return fn
+        def step_fn(backend, runner=runner):
+            fn, _ = runner_mod._make_step_function(runner.graphdef, backend, config.block_size, runner.layout)
+            return fn
 
-    variants = {"engine": runner._step_fn}
-    if args.baseline_ref:
-        old = load_attention_from_git(args.baseline_ref)
-        variants["baseline"] = step_fn(AttentionBackend(f"xla@{args.baseline_ref}", old.ragged_paged_attention,
-                                                        old.mla_ragged_paged_attention))
-    stub = AttentionBackend("stub", lambda q, *a, **k: q, lambda q, *a, **k: q)
-    variants["no attention"] = step_fn(stub)
+        variants[f"engine {dtype}"] = (runner, runner._step_fn)
+        if args.baseline_ref:
+            old = load_attention_from_git(args.baseline_ref)
+            variants[f"baseline {dtype}"] = (runner, step_fn(AttentionBackend(
+                f"xla@{args.baseline_ref}", old.ragged_paged_attention, old.mla_ragged_paged_attention)))
+        stub = AttentionBackend("stub", lambda q, *a, **k: q, lambda q, *a, **k: q)
+        variants[f"no attention {dtype}"] = (runner, step_fn(stub))
+    engine = next(iter(engines.values()))
+    runner, bs = engine.runner, engine.config.block_size
 
     rng = np.random.default_rng(0)
     all_cases = cases(rng)
@@ -133,22 +140,23 @@ def main() -> None:
         decode_only = int(step.num_decodes) == len(q_lens)
         _, sampling = runner.padding_inputs(t, s, b)  # greedy
 
-        def run(fn):
-            out, runner.cache, runner.penalties = fn(runner.params, runner.cache, runner.penalties, step, sampling,
-                                                     decode_only, 0)
+        def run(variant):
+            owner, fn = variant
+            out, owner.cache, owner.penalties = fn(owner.params, owner.cache, owner.penalties, step, sampling,
+                                                   decode_only, 0)
             jax.block_until_ready(out)
 
         compile_s = {}
-        for v, fn in variants.items():
+        for v, variant in variants.items():
             t0 = time.perf_counter()
-            run(fn)
+            run(variant)
             compile_s[v] = time.perf_counter() - t0
         wall = {v: [] for v in variants}
         cpu = {v: [] for v in variants}
         for _ in range(args.repeats):
-            for v, fn in variants.items():
+            for v, variant in variants.items():
                 w0, c0 = time.perf_counter(), time.process_time()
-                run(fn)
+                run(variant)
                 wall[v].append(time.perf_counter() - w0)
                 cpu[v].append(time.process_time() - c0)
         med = {v: (statistics.median(wall[v]), statistics.median(cpu[v])) for v in variants}
@@ -157,21 +165,29 @@ def main() -> None:
               flush=True)
 
     names = list(variants)
+    dtypes = list(engines)
     head = "| step | bucket (T, S, B, decode-only) | " + " | ".join(f"{v} wall / cpu (s)" for v in names)
-    head += " | attention share (cpu) |"
-    if "baseline" in variants:
-        head += " baseline / engine (cpu) |"
+    head += "".join(f" | attention share {d} (cpu)" for d in dtypes) + " |"
+    if args.baseline_ref:
+        head += "".join(f" baseline / engine {d} (cpu) |" for d in dtypes)
+    if len(dtypes) > 1:
+        head += f" {dtypes[0]} / {dtypes[1]} (cpu) |"
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for name, desc, bucket, med, _ in rows:
         cells = [f"{med[v][0]:.3f} / {med[v][1]:.3f}" for v in names]
-        share = (med["engine"][1] - med["no attention"][1]) / med["engine"][1]
-        line = f"| {desc} | {bucket} | " + " | ".join(cells) + f" | {share:.0%} |"
-        if "baseline" in variants:
-            line += f" {med['baseline'][1] / med['engine'][1]:.2f}x |"
+        line = f"| {desc} | {bucket} | " + " | ".join(cells) + " |"
+        for d in dtypes:
+            share = (med[f"engine {d}"][1] - med[f"no attention {d}"][1]) / med[f"engine {d}"][1]
+            line += f" {share:.0%} |"
+        if args.baseline_ref:
+            line += "".join(f" {med[f'baseline {d}'][1] / med[f'engine {d}'][1]:.2f}x |" for d in dtypes)
+        if len(dtypes) > 1:
+            line += f" {med[f'engine {dtypes[0]}'][1] / med[f'engine {dtypes[1]}'][1]:.2f}x |"
         lines.append(line)
     table = "\n".join(lines)
     note = (f"\nMedians of {args.repeats} alternating runs per variant; jax {jax.__version__}, "
-            f"{jax.devices()[0].platform}, backend {runner.backend.name}"
+            f"{jax.devices()[0].platform}, backend {runner.backend.name}, "
+            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
             + (f", baseline attention from {args.baseline_ref}" if args.baseline_ref else "") + ".")
     print("\n" + table + note)
     if args.out:
