@@ -487,7 +487,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     plot(rows, out / "routing.png")
     write_report("routing", "Routing: round_robin vs cache_aware", report_body(rows, args),
-                 {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, out)
+                 {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+                  "replicas": ([] if args.skip_http else [args.replicas]) + ([] if args.skip_sim else args.sim_replicas),
+                  "ceiling": (args.per_group - 1) / args.per_group * args.sim_prefix_len
+                  / (args.sim_prefix_len + args.sim_suffix_len)}, out)
 
 
 if __name__ == "__main__":
