@@ -111,3 +111,17 @@ def test_run_until_stops_early_and_rejects_oversized_requests() -> None:
     assert result.unfinished > 0 and 20.0 <= result.duration < 22.0
     with pytest.raises(ValueError):
         Simulator(CONFIG, kv, UNIT).run([TraceRequest("long", 0.0, [1] * 60, 10)])
+
+
+def test_sharing_counts_shared_prompt_blocks_once_and_copies_on_write():
+    import numpy as np
+
+    from paper_repro import sharing
+
+    # prompt of 2 full blocks, two samples of one token: 2 shared + 1 new block each, against 2 x 3 unshared
+    assert sharing.parallel_sampling(32, [1, 1]) == (4, 6)
+    # a partial prompt block (20 tokens): the first beam to write copies it, the second writes in place
+    assert sharing.beam_search(20, 1, 2, np.random.default_rng(0)) == (3, 4)
+    # no sharing possible with one sequence: the two counts agree
+    shared, unshared = sharing.parallel_sampling(7, [40])
+    assert shared == unshared == sum(-(-(7 + t) // 16) for t in range(1, 41))
