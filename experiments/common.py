@@ -104,8 +104,8 @@ def replay_sim(config: EngineConfig, requests: list[TraceRequest], cost: CostMod
     num_blocks = kv_bytes // (config.block_size * cost.kv_bytes_per_token)
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
     steps: StepLog = []
-    log = lambda sim, out, dt: steps.append((sim.now, [(s.request.request_id, s.num_new_tokens)  # noqa: E731
-                                                       for s in out.scheduled]))
+    log = lambda sim, out, dt: steps.append((sim.now, [(r.request_id, int(n))  # noqa: E731
+                                                       for r, n in zip(out.requests, out.num_new_tokens)]))
     result = Simulator(config, kv, cost, [log]).run(requests, progress=progress)
     timings = [Timing(r.request_id, r.arrival_time, list(r.token_times), len(r.prompt_token_ids))
                for r in result.finished]
@@ -140,9 +140,7 @@ def warm_engine(engine, requests: list[TraceRequest], full_pass: bool = True) ->
     shapes: set = set()
 
     def observe(sim, out, dt):
-        blocks = max(engine.kv.num_blocks_for(s.start + s.num_new_tokens) for s in out.scheduled)
-        shapes.add((*runner.shapes_for(out.num_tokens, len(out.scheduled), blocks),
-                    out.num_decodes == len(out.scheduled)))
+        shapes.add((*out.bucket, out.decode_only))
 
     for reqs in (requests, [TraceRequest(r.request_id, 0.0, r.prompt, r.output_len) for r in requests]):
         kv = KVCacheManager(engine.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -182,7 +180,7 @@ def replay_engine(engine, requests: list[TraceRequest], progress: str | None = N
         real_schedule = sched.schedule
         def schedule():  # noqa: E306 - record what this step runs
             out = real_schedule()
-            scheduled.extend((s.request.request_id, s.num_new_tokens) for s in out.scheduled)
+            scheduled.extend((r.request_id, int(n)) for r, n in zip(out.requests, out.num_new_tokens))
             return out
         sched.schedule = schedule
         try:

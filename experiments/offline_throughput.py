@@ -161,14 +161,12 @@ class LLMJaxRun:
         rng = np.random.default_rng(0)
         contexts = rng.integers(380, 421, 64)
         bs = runner.block_size
-        t, s, b = runner.shapes_for(64, 64, -(-int(contexts.max()) // bs))
+        t, s, b = runner.buckets.shape(64, 64, -(-int(contexts.max()) // bs))
         step = make_step([1] * 64, contexts, t, s, b, bs, self.engine.num_blocks, rng)
         _, sampling = runner.padding_inputs(t, s, b)
 
         def run():
-            out, runner.cache, runner.penalties = runner._step_fn(runner.params, runner.cache, runner.penalties,
-                                                                  step, sampling, True, 0)
-            jax.block_until_ready(out)
+            jax.block_until_ready(runner.run(step, sampling, True))
 
         seconds = _best_time(run, repeats)
         prompts = [[0] * (int(c) - 1) for c in contexts]  # the step's work: one new token at each context

@@ -69,12 +69,11 @@ from tqdm import tqdm
 from llmjax.bench import percentiles, run_jobs, summarize
 from llmjax.config import PRESETS, EngineConfig
 from llmjax.kv import KVCacheManager
-from llmjax.kv.sizing import kv_bytes_per_token_gqa, kv_bytes_per_token_mla
 from llmjax.request import Request
 from llmjax.sampling_params import SamplingParams
 from llmjax.serve import routing
 from llmjax.serve.metrics import parse_metrics
-from llmjax.sim import Simulator, TraceRequest, complete_step
+from llmjax.sim import Simulator, TraceRequest, finish_step
 
 from common import SIM_COST, SIM_KV_BYTES, results_dir, table, write_report  # experiments/common.py
 
@@ -137,11 +136,7 @@ def tiny_server_args(args: argparse.Namespace) -> list[str]:
     """Replica flags for a tiny preset, with a KV pool (float32) of one request more than a
     replica's share of the groups under cache-aware routing: it holds that share's prefixes, not all
     of them, the regime where routing decides the hit rate."""
-    m = PRESETS[args.model]
-    if m.attention == "mla":
-        per_token = kv_bytes_per_token_mla(m.num_layers, m.kv_lora_rank, m.qk_rope_head_dim, 4)
-    else:
-        per_token = kv_bytes_per_token_gqa(m.num_layers, m.num_kv_heads, m.head_dim, 4)
+    per_token = PRESETS[args.model].kv_bytes_per_token(4)
     request_blocks = math.ceil((1 + args.prefix_len + args.suffix_len + args.max_tokens) / BLOCK_SIZE)
     blocks = (math.ceil(args.groups / args.replicas) + 1) * request_blocks + 1  # + the null block
     return [*TINY_SERVER_ARGS, "--kv-cache-memory", str(blocks * BLOCK_SIZE * per_token)]
@@ -243,24 +238,24 @@ class SimReplica:
     """One replica: a `Simulator`'s scheduler, KV manager and cost model, stepped by `run_sim_cluster`.
     `Simulator.run` replays a whole trace; here each request is routed at its arrival, so this
     steps the simulator's parts the way `Simulator.run` does (schedule, advance the clock by the
-    step's cost, `after_step`, one dummy token per sampling request, finish at the drawn length)."""
+    step's cost, the scheduler's update with one dummy token per sampling request)."""
 
     def __init__(self):
         num_blocks = SIM_KV_BYTES // (SIM_COST.kv_bytes_per_token * SIM_CONFIG.block_size)
         self.sim = Simulator(SIM_CONFIG, KVCacheManager(num_blocks, SIM_CONFIG.block_size), SIM_COST)
-        self.targets: dict[str, int] = {}
+        self.submitted = 0
         self.finished: list[Request] = []
         self.last_schedule = 0.0
 
     @property
     def in_flight(self) -> int:
-        return len(self.targets) - len(self.finished)
+        return self.submitted - len(self.finished)
 
     def submit(self, t: TraceRequest) -> None:
         """Queue `t` (after `advance(t.arrival)`: the clock is at or past its arrival)."""
         params = SamplingParams(temperature=0.0, max_tokens=t.output_len, ignore_eos=True)
         self.sim.scheduler.add(Request(t.request_id, list(t.prompt), params, seed=0, arrival_time=t.arrival))
-        self.targets[t.request_id] = t.output_len
+        self.submitted += 1
 
     def queued(self) -> bool:
         """A request that had arrived when the last step was formed got no work in it: not admitted,
@@ -280,7 +275,7 @@ class SimReplica:
                     continue
                 break  # nothing admissible now (the drain then leaves it unfinished, and the check fails)
             sim.now += sim.cost.step_time(out)
-            self.finished.extend(complete_step(sched, out, sim.now, self.targets))
+            self.finished.extend(finish_step(sched, out))
         if math.isfinite(until):
             sim.now = max(sim.now, until)  # idle until then
 

@@ -64,7 +64,9 @@ def make_step(q_lens, contexts, t, s, b, block_size, num_blocks, rng):
     logits_idx = np.zeros(s, np.int32)
     logits_idx[:n] = qsl[1 : n + 1] - 1
     num_decodes = int(np.argmax(q_lens != 1)) if (q_lens != 1).any() else n
-    return StepInput(tokens, positions, slots, qsl, seq_lens, tables, logits_idx, np.int32(num_decodes))
+    return StepInput(token_ids=tokens, token_source=np.full(t, -1, np.int32), positions=positions, slot_mapping=slots,
+                     query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables, logits_indices=logits_idx,
+                     num_decodes=np.int32(num_decodes))
 
 
 def cases(rng):
@@ -117,10 +119,11 @@ def main() -> None:
         runner = engine.runner
 
         def step_fn(backend, runner=runner):
-            fn, _ = runner_mod._make_step_function(runner.graphdef, backend, config.block_size, runner.layout)
+            fn, _ = runner_mod._make_step_function(runner.graphdef, backend, config.block_size, runner.layout,
+                                                   config.max_num_seqs)
             return fn
 
-        variants[f"engine {dtype}"] = (runner, runner._step_fn)
+        variants[f"engine {dtype}"] = (runner, None)
         if args.baseline_ref:
             old = load_attention_from_git(args.baseline_ref)
             variants[f"baseline {dtype}"] = (runner, step_fn(AttentionBackend(
@@ -135,15 +138,18 @@ def main() -> None:
     rows = []
     for name in args.cases.split(","):
         desc, q_lens, contexts = all_cases[name]
-        t, s, b = runner.shapes_for(sum(q_lens), len(q_lens), -(-max(contexts) // bs))
+        t, s, b = runner.buckets.shape(sum(q_lens), len(q_lens), -(-max(contexts) // bs))
         step = make_step(q_lens, contexts, t, s, b, bs, engine.num_blocks, rng)
         decode_only = int(step.num_decodes) == len(q_lens)
         _, sampling = runner.padding_inputs(t, s, b)  # greedy
 
         def run(variant):
             owner, fn = variant
-            out, owner.cache, owner.penalties = fn(owner.params, owner.cache, owner.penalties, step, sampling,
-                                                   decode_only, 0)
+            if fn is None:  # the engine's own step
+                out = owner.run(step, sampling, decode_only)
+            else:
+                *out, owner.cache, owner.penalties = fn(owner.params, owner.cache, owner.penalties,
+                                                        owner._no_tokens, step, sampling, decode_only, 0)
             jax.block_until_ready(out)
 
         compile_s = {}

@@ -97,14 +97,6 @@ class ModelConfig:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
-    @property
-    def kv_heads_label(self) -> str:
-        if self.attention == "mla":
-            return "MLA"
-        if self.num_kv_heads == self.num_heads:
-            return "MHA"
-        return "MQA" if self.num_kv_heads == 1 else "GQA"
-
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV cache bytes one token costs over all layers.
 
@@ -290,6 +282,8 @@ class EngineConfig:
     a 1 GiB budget on CPU. The budget is per device: with `tensor_parallel_size` N the GQA cache is
     split by KV head over N devices (the MLA latent cache is replicated); see `llmjax/parallel.py`.
     `coordinator_address`, `num_processes`, `process_id` join a multi-host run (`jax.distributed`).
+    `async_scheduling` (vLLM's flag; SGLang's overlap scheduler) dispatches each step before the
+    previous one's tokens reach the host, hiding the host's work under the device's.
     """
 
     max_num_batched_tokens: int = 512
@@ -308,6 +302,7 @@ class EngineConfig:
     dtype: str | None = None
     kv_cache_dtype: str | None = None
     seed: int = 0
+    async_scheduling: bool = False
     compilation_cache_dir: str | None = field(default=None)
     tensor_parallel_size: int = 1
     coordinator_address: str | None = None

@@ -1,7 +1,11 @@
 """`LLMEngine`: add requests, step, abort; stop conditions, detokenization and outputs.
 
-One step = schedule (scheduler + KV manager), execute (runner: one jitted forward + sampling),
-then append the sampled tokens, check stops, and return delta outputs (`llmjax.outputs`).
+One step = schedule (scheduler + KV manager), dispatch (runner: one jitted forward + sampling),
+fetch its tokens, let the scheduler apply them (`update_from_output`: tokens appended, EOS / stop
+ids / lengths, finished requests freed), then detokenize, check stop strings and return delta
+outputs (`llmjax.outputs`). With `EngineConfig.async_scheduling` each `step()` dispatches the next
+step before it waits for the previous one, so the host's scheduling, input building and output
+processing overlap the device's work; it returns the previous step's outputs.
 Not thread-safe: a single loop owns the engine (the server runs it in one thread).
 
 A request with `n` > 1 is n scheduler requests ("samples", ids `<id>#<i>`) under one parent id; the
@@ -30,11 +34,11 @@ from llmjax import parallel
 from llmjax.cpu_flags import apply_cpu_flags
 from llmjax.config import EngineConfig
 from llmjax.kv.manager import KVCacheManager
-from llmjax.kv.sizing import device_memory_stats, kv_budget_bytes, largest_step_shapes, num_blocks_from_budget
+from llmjax.kv.sizing import device_memory_stats, kv_budget_bytes, num_blocks_from_budget
 from llmjax.models.loader import LoadedModel, default_dtype, load_model
 from llmjax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmjax.request import Request, RequestStatus
-from llmjax.runner import ModelRunner, enable_compilation_cache
+from llmjax.runner import InFlight, ModelRunner, enable_compilation_cache
 from llmjax.sampling_params import SamplingParams
 from llmjax.scheduler import Scheduler, SchedulerOutput
 from llmjax.tokenizer import CharTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -56,7 +60,6 @@ class RequestError(ValueError):
 class _SequenceState:
     """Per sample: its text so far and what of it was already returned."""
 
-    parent_id: str
     detokenizer: IncrementalDetokenizer
     text: str = ""
     emitted: int = 0  # characters of `text` already returned
@@ -66,17 +69,17 @@ class _SequenceState:
 
 @dataclass(eq=False)
 class _Parent:
-    """A request as the caller sees it: its n samples (`children`, sample i at index i)."""
+    """A request as the caller sees it: its n samples (`children`, sample i at index i) and their
+    text states (`texts[i]`)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     children: list[Request]
-    arrival_time: float
+    texts: list[_SequenceState]
+    metrics: RequestMetrics  # live: every delta output refers to it; complete once the request finishes
     held: list[Request] = field(default_factory=list)  # samples not yet given to the scheduler
-    first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)  # one per step that sampled any of its tokens
 
 
 class LLMEngine:
@@ -92,25 +95,27 @@ class LLMEngine:
         if budget is None and device_memory_stats() is not None:  # an accelerator: vLLM's rule
             profiler = ModelRunner(model, config, 2, kv_dtype, self.eos_token_ids)  # weights resident
             budget = kv_budget_bytes(config.gpu_memory_utilization, device_memory_stats,
-                                     lambda: profiler.warmup(largest_step_shapes(profiler)))
+                                     lambda: profiler.warmup(profiler.buckets.largest()))
             del profiler
         budget = budget or CPU_KV_BUDGET_BYTES
         bytes_per_token = parallel.kv_bytes_per_token_per_device(model.config, kv_dtype.itemsize,
                                                                  config.tensor_parallel_size)
         self.num_blocks = num_blocks_from_budget(budget, config.block_size, bytes_per_token)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv)
+        self.scheduler = Scheduler(config, self.kv, eos_token_ids=self.eos_token_ids, build_step_inputs=True)
         self.runner = ModelRunner(model, config, self.num_blocks, kv_dtype, self.eos_token_ids)
-        self.requests: dict[str, Request] = {}  # every sample's id -> its Request
-        self._parents: dict[str, _Parent] = {}
-        self._sequences: dict[str, _SequenceState] = {}  # every sample's id -> its text state
+        self._parents: dict[str, _Parent] = {}  # the unfinished requests, by id
+        self._inflight: tuple[SchedulerOutput, InFlight] | None = None  # dispatched, not yet processed
         self._ids = itertools.count()
+        self._keys = itertools.count()  # the samples' names in the KV manager
         self._seed_rng = np.random.default_rng(config.seed)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # host seconds by phase (the runner adds time_prepare and time_device, its wait for results)
         self.time_schedule = 0.0
-        self.time_update = 0.0
-        self.num_steps = 0
+        self.time_update = 0.0  # the scheduler's update_from_output
+        self.time_output = 0.0  # text, stop strings, delta outputs
+        self.num_steps = 0  # steps dispatched (or failed to)
 
     @classmethod
     def from_config(cls, model: str | None = None, config: EngineConfig | None = None, seed: int = 0) -> LLMEngine:
@@ -142,7 +147,7 @@ class LLMEngine:
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        if request_id in self._parents or any(c in self.requests for c in child_ids):
+        if request_id in self._parents:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         text = prompt if isinstance(prompt, str) else None
         if text == "":
@@ -153,16 +158,13 @@ class LLMEngine:
             params = dataclasses.replace(params, max_tokens=self.config.max_model_len - len(ids))
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63))
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        children = [Request(child_id, ids, params, seed, namespace, text, sample_index=i, arrival_time=arrival)
-                    for i, child_id in enumerate(child_ids)]
-        states = [_SequenceState(request_id, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
+        children = [Request(child_id, ids, params, seed, namespace, text, sample_index=i, parent_id=request_id,
+                            key=next(self._keys), arrival_time=arrival) for i, child_id in enumerate(child_ids)]
+        states = [_SequenceState(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
                   for _ in children]
         # nothing above changed the engine; from here on nothing raises
-        parent = _Parent(request_id, text, ids, params, children, arrival)
+        parent = _Parent(request_id, text, ids, params, children, states, RequestMetrics(arrival))
         self._parents[request_id] = parent
-        for child, state in zip(children, states):
-            self.requests[child.request_id] = child
-            self._sequences[child.request_id] = state
         # The other samples wait until the first one's prompt is computed, then find its full pages in
         # the prefix cache: the prompt is computed once.
         released = children if not self.config.enable_prefix_caching else children[:1]
@@ -213,63 +215,83 @@ class LLMEngine:
     # --- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step. Returns a DELTA output (see `llmjax.outputs`) for each request
-        that sampled a token or finished.
+        that sampled a token or finished: this step's, or with asynchronous scheduling the previous
+        step's (this one stays in flight; a call that schedules nothing completes it).
 
-        If the step itself fails (the runner raises), only the requests in it fail: each gets a
+        If a step itself fails (the runner raises), only the requests in it fail: each gets a
         finished output with `error` set, its blocks are freed, and later steps run as usual.
         """
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.time_schedule += time.perf_counter() - t0
-        for request in out.preempted:
-            self.runner.release(request.request_id)
-        if out.empty:
-            return []
+        outputs: list[RequestOutput] = []
+        dispatched = None
+        if not out.empty:
+            self.num_steps += 1
+            previous = self._inflight[1] if self._inflight else None
+            try:
+                dispatched = (out, self.runner.dispatch(out, previous))
+            except Exception as exc:
+                log.exception("engine step failed; failing its %d requests", len(out.requests))
+                outputs += self._fail_step(out, exc)
+        if self.config.async_scheduling:
+            completing, self._inflight = self._inflight, dispatched
+        else:
+            completing = dispatched
+        if completing is not None:
+            outputs += self._complete(*completing)
+        return outputs
+
+    def _complete(self, out: SchedulerOutput, inflight: InFlight) -> list[RequestOutput]:
+        """Fetch a dispatched step's tokens and apply them; its delta outputs."""
         try:
-            tables = [self.kv.block_table(s.request.request_id) for s in out.scheduled]
-            result = self.runner.execute(out, tables)
+            result = self.runner.fetch(inflight)
         except Exception as exc:
-            log.exception("engine step failed; failing its %d requests", len(out.scheduled))
+            log.exception("engine step failed; failing its %d requests", len(out.requests))
             return self._fail_step(out, exc)
         t1 = time.perf_counter()
-        self.scheduler.after_step(out)
+        appended = self.scheduler.update_from_output(out, result.token_ids)
+        t2 = time.perf_counter()
+        self.time_update += t2 - t1
         now = time.monotonic()
-        changed: dict[str, list[Request]] = {}  # parent id -> its samples that changed, in order
+        parents = self._parents
+        changed: dict[_Parent, list[Request]] = {}  # its samples that changed, in order
         failed: list[RequestOutput] = []
-        for i, scheduled in enumerate(out.scheduled):
-            request = scheduled.request
-            if not scheduled.samples or request.status.finished:  # finished: its request failed in this step
+        for i, request in appended:
+            parent = parents.get(request.parent_id)
+            if parent is None:  # its request failed earlier in this step
                 continue
-            parent = self._parents[self._sequences[request.request_id].parent_id]
             try:
-                self._append_token(request, parent, result, i, now)
+                self._after_token(request, parent, result, i, now)
             except Exception as exc:  # e.g. the detokenizer on this request's token: fail it alone
                 log.exception("request %s failed", parent.request_id)
-                done_in_step = changed.pop(parent.request_id, [])
+                done_in_step = changed.pop(parent, [])
                 failed.append(self._end(parent, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}",
                                         done_in_step))
                 continue
-            changed.setdefault(parent.request_id, []).append(request)
-        outputs = [self._output(self._parents[pid], children) for pid, children in changed.items()
-                   if pid in self._parents]
-        self.num_steps += 1
-        self.time_update += time.perf_counter() - t1
+            samples = changed.get(parent)
+            if samples is None:
+                changed[parent] = [request]
+            else:
+                samples.append(request)
+        outputs = [self._output(parent, samples) for parent, samples in changed.items()
+                   if parent.request_id in parents]
+        self.time_output += time.perf_counter() - t2
         return outputs + failed
 
-    def _append_token(self, request: Request, parent: _Parent, result, i: int, now: float) -> None:
-        """Append the sampled token to `request`, check its stops; release held siblings after the first token."""
-        token = int(result.token_ids[i])
-        request.output_token_ids.append(token)
-        request.token_times.append(now)
-        if request.first_token_time is None:
-            request.first_token_time = now
-            if request.sample_index == 0:
-                self.num_prompt_tokens += len(request.prompt_token_ids)  # counted once prefilled, as vLLM does
-        if parent.first_token_time is None:
-            parent.first_token_time = now
-        if not parent.token_times or parent.token_times[-1] != now:
-            parent.token_times.append(now)
-        state = self._sequences[request.request_id]
+    def _after_token(self, request: Request, parent: _Parent, result, i: int, now: float) -> None:
+        """The engine's part of a new token (the scheduler appended it and checked EOS, stop ids and
+        lengths): logprobs, text and stop strings, counts; releases held siblings after the first token."""
+        token = request.output_token_ids[-1]
+        metrics = parent.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        if len(request.output_token_ids) == 1 and request.sample_index == 0:
+            self.num_prompt_tokens += len(request.prompt_token_ids)  # counted once prefilled, as vLLM does
+        if not metrics.token_times or metrics.token_times[-1] != now:
+            metrics.token_times.append(now)
+        metrics.num_generation_tokens += 1
+        state = parent.texts[request.sample_index]
         params = request.sampling_params
         if params.logprobs is not None:
             entry = {token: float(result.logprobs[i])}
@@ -278,30 +300,49 @@ class LLMEngine:
             request.output_logprobs.append(entry)
             state.cumulative_logprob += float(result.logprobs[i])
         self.num_generation_tokens += 1
-        status = self._check_stop(request, token)
-        if status is not None:
-            self._finish(request, status)
-        for sibling in parent.held:  # the prompt is computed and its full pages cached
-            self.scheduler.add(sibling)
-        parent.held = []
+        state.text += state.detokenizer.add(token)
+        if params.stop and request.status is not RequestStatus.FINISHED_STOPPED:
+            self._check_stop_strings(request, state)
+        if parent.held:  # the prompt is computed and its full pages cached
+            for sibling in parent.held:
+                self.scheduler.add(sibling)
+            parent.held = []
+
+    def _check_stop_strings(self, request: Request, state: _SequenceState) -> None:
+        """A stop string in the new text ends the request (vLLM checks them before the length limits,
+        so one found in a request the scheduler just ended by length makes it a stop)."""
+        params = request.sampling_params
+        if len(request.output_token_ids) < params.min_tokens:
+            return
+        for stop in params.stop:
+            idx = state.text.find(stop, max(0, len(state.text) - len(stop) - 64))
+            if idx >= 0:
+                state.text = state.text[: idx + (len(stop) if params.include_stop_str_in_output else 0)]
+                request.stop_reason = stop
+                if request.status.finished:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+                return
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """Fail every request of a step that raised; if the runner lost its device state, recompute
-        the others (their KV is gone) and drop the prefix cache."""
+        the others (their KV is gone; a step still in flight computed on it and is dropped) and drop
+        the prefix cache."""
         message = f"the engine step failed: {type(exc).__name__}: {exc}"
-        parent_ids = dict.fromkeys(self._sequences[s.request.request_id].parent_id for s in out.scheduled)
+        for request, start in zip(out.requests, out.num_computed.tolist()):  # its KV from this step is not
+            request.num_computed_tokens = min(request.num_computed_tokens, start)  # written: never cache it
+        parent_ids = dict.fromkeys(r.parent_id for r in out.requests if r.parent_id in self._parents)
         outputs = [self._end(self._parents[pid], RequestStatus.FINISHED_ERROR, message) for pid in parent_ids]
         if self.runner.recover():
             log.error("the runner's device state was lost; running requests are recomputed")
+            if self._inflight is not None:
+                for request in self._inflight[0].requests:
+                    request.num_pending = 0
+                self._inflight = None
             self.scheduler.preempt_all()
             self.kv.reset_prefix_cache()
-        self.num_steps += 1
         return outputs
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        """End one sample: free its blocks and penalty row."""
-        self.scheduler.finish(request, status)
-        self.runner.release(request.request_id)
 
     def _end(self, parent: _Parent, status: RequestStatus, error: str | None = None,
              changed: Sequence[Request] = ()) -> RequestOutput:
@@ -315,36 +356,14 @@ class LLMEngine:
             if id(child) in held:  # never queued: nothing to free
                 child.status, child.finish_time = status, time.monotonic()
             else:
-                self._finish(child, status)
+                self.scheduler.finish(child, status)
         output = self._output(parent, reported)
         output.error = error
         return output
 
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        """Stop conditions, in vLLM's order. Also advances the request's text (stop strings need it)."""
-        params = request.sampling_params
-        state = self._sequences[request.request_id]
-        state.text += state.detokenizer.add(token)
-        n_out = len(request.output_token_ids)
-        if n_out >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-            for stop in params.stop:
-                idx = state.text.find(stop, max(0, len(state.text) - len(stop) - 64))
-                if idx >= 0:
-                    state.text = state.text[: idx + (len(stop) if params.include_stop_str_in_output else 0)]
-                    request.stop_reason = stop
-                    return RequestStatus.FINISHED_STOPPED
-        if n_out >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _completion_delta(self, request: Request) -> CompletionOutput:
+    @staticmethod
+    def _completion_delta(request: Request, state: _SequenceState) -> CompletionOutput:
         """What `request` added since its last output (text held back while it may start a stop string)."""
-        state = self._sequences[request.request_id]
         params = request.sampling_params
         finished = request.status.finished
         held = 0 if finished or not params.stop else max(map(len, params.stop)) - 1
@@ -362,30 +381,21 @@ class LLMEngine:
 
     def _output(self, parent: _Parent, children: list[Request]) -> RequestOutput:
         """The delta output of `parent` for its samples `children`; forgets a finished parent."""
-        completions = [self._completion_delta(c) for c in children]
-        finished = all(c.status.finished for c in parent.children)
-        first = parent.children[0]
-        metrics = RequestMetrics(
-            arrival_time=parent.arrival_time, first_scheduled_time=first.scheduled_time,
-            first_token_time=parent.first_token_time,
-            finish_time=max(c.finish_time for c in parent.children) if finished else None,
-            num_preemptions=sum(c.num_preemptions for c in parent.children),
-            num_generation_tokens=sum(len(c.output_token_ids) for c in parent.children),
-            token_times=list(parent.token_times) if finished else [],
-        )
+        completions = [self._completion_delta(c, parent.texts[c.sample_index]) for c in children]
+        kids = parent.children
+        finished = kids[0].status.finished if len(kids) == 1 else all(c.status.finished for c in kids)
+        metrics = parent.metrics
+        metrics.first_scheduled_time = kids[0].scheduled_time
         if finished:
+            metrics.finish_time = max(c.finish_time for c in kids)
+            metrics.num_preemptions = sum(c.num_preemptions for c in kids)
             del self._parents[parent.request_id]
-            for child in parent.children:
-                del self.requests[child.request_id]
-                del self._sequences[child.request_id]
-        return RequestOutput(
-            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
-            outputs=completions, finished=finished, metrics=metrics, num_cached_tokens=first.num_cached_tokens,
-        )
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
+                             metrics, kids[0].num_cached_tokens)
 
     # --- introspection -----------------------------------------------------------------------------
     def check_kv_invariants(self) -> None:
         self.kv.check_invariants()
 
     def warmup(self) -> None:
-        self.runner.warmup(self.runner.warmup_shapes())
+        self.runner.warmup(self.runner.buckets.warmup_shapes())

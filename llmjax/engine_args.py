@@ -37,6 +37,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", choices=["xla", "pallas", "pallas-interpret"], default=d.attention_backend)
     parser.add_argument("--dtype", default=d.dtype, help="float32 (CPU default) or bfloat16 (GPU default)")
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                        help="dispatch each step before the previous one's tokens reach the host")
     parser.add_argument("--compilation-cache-dir", default=d.compilation_cache_dir,
                         help="JAX's persistent compilation cache (default: the engine's)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One sample of a request. In a delta: the text, token ids and logprobs this step added;
     `cumulative_logprob` is the running total (None unless logprobs were requested, as in vLLM)."""
@@ -31,10 +31,11 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
-    """The request's timings (`time.monotonic()` seconds). `token_times` (when each step that sampled
-    any of its tokens finished) is filled only in the finished output, to keep deltas small."""
+    """The request's timings (`time.monotonic()` seconds), one live object per request: every delta
+    refers to it (nothing is copied per step), so it is complete once the request has finished.
+    `token_times`: when each step that sampled any of its tokens finished."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -45,7 +46,7 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """A request's outputs after a step. `finished` when every sample has finished. `error` is set
     (and every unfinished sample ends with finish_reason "error") when the engine failed the request."""

@@ -1,7 +1,8 @@
 """`Request`: one generation request as the scheduler and engine track it.
 
-Ownership: the engine creates it; the scheduler moves it between queues and advances
-`num_computed_tokens`; the engine appends sampled tokens and finishes it.
+Ownership: the engine creates it and gives it to the scheduler, which from then on owns its
+per-step state (queues, progress, batch row, sampled tokens, stops); the engine reads it to build
+outputs and may finish it (a stop string, an abort, a failure) through the scheduler.
 """
 
 from __future__ import annotations
@@ -24,17 +25,23 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self is not RequestStatus.WAITING and self is not RequestStatus.RUNNING
 
 
 @dataclass(eq=False)
 class Request:
     """Prompt and output token ids, progress, status, timings.
 
-    `num_computed_tokens`: tokens whose KV is in the cache (a prefix hit counts). The request
-    needs `len(all_token_ids) - num_computed_tokens` more tokens computed before it can sample.
+    `num_computed_tokens`: tokens whose KV is in the cache or being written by a dispatched step
+    (a prefix hit counts). `num_pending`: tokens sampled by a dispatched step that have not reached
+    the host yet (0 or 1; asynchronous scheduling), the last at `inflight_index` in that step's
+    sampled tokens. The request needs `num_tokens + num_pending - num_computed_tokens` more tokens
+    computed before it can sample. `row`: its batch row while running (-1 otherwise).
     `namespace` is the prefix-cache tenant (None: the shared default). `seed` may be any 64-bit
-    integer (the sampler folds it into the PRNG key as two 32-bit words).
+    integer (the sampler folds it into the PRNG key as two 32-bit words). `parent_id`: the id of
+    the request it is one sample of (the engine's `n` > 1), None for its own. `key`: its name in the
+    KV manager, unique among live requests (default: `request_id`; the engine numbers its samples,
+    as the ids callers give may clash with a sample's `<id>#<i>`).
     Compared and hashed by identity.
     """
 
@@ -45,18 +52,27 @@ class Request:
     namespace: Hashable | None = None
     prompt: str | None = None
     sample_index: int = 0  # which of its parent request's n samples this is
+    parent_id: str | None = None
+    key: Hashable = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_pending: int = 0
+    inflight_index: int = -1
+    row: int = -1
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.key is None:
+            self.key = self.request_id
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -70,13 +86,19 @@ class Request:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - p)]
 
+    def token_at(self, i: int) -> int:
+        """`all_token_ids[i]` without building the list."""
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
     @property
     def num_tokens(self) -> int:
+        """Prompt and output tokens known on the host (pending ones excluded)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_tokens_to_compute(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_pending - self.num_computed_tokens
 
     @property
     def finish_reason(self) -> str | None:

@@ -1,6 +1,7 @@
-"""The scheduler: which requests run each step and how many tokens each computes.
+"""The scheduler: which requests run each step, how many tokens each computes, and what each step's
+sampled tokens do to them. It owns every request's per-step state.
 
-Plain Python, no JAX. Policies (`EngineConfig.scheduling_policy`):
+Plain Python and numpy, no JAX. Policies (`EngineConfig.scheduling_policy`):
 
 - continuous (vLLM v1 style): each step, running requests first, then waiting ones, under one
   token budget (`max_num_batched_tokens`) and at most `max_num_seqs` requests. With chunked
@@ -13,64 +14,118 @@ Plain Python, no JAX. Policies (`EngineConfig.scheduling_policy`):
 When the KV pool runs out, the most recently admitted running request is preempted (recompute):
 its blocks are freed (full pages go to the prefix cache) and it returns to the front of the
 waiting queue with its output so far. No request is admitted in a step that preempted.
+
+One step's life: `schedule()` advances each scheduled request's `num_computed_tokens` and
+returns a `SchedulerOutput` (the runner's inputs as plain arrays); once the step's tokens are
+sampled, `update_from_output(out, sampled)` appends them, checks EOS, stop ids, `max_tokens` and
+`max_model_len`, and frees the requests that finished. The engine then handles text (stop
+strings) and outputs.
+
+Asynchronous scheduling: step N+1 may be scheduled before step N's tokens reach the host. A
+request that samples in a step holds that token as `num_pending` until its update; the next step
+feeds it from the device (`token_source`: its index in the previous step's sampled tokens). A
+request that step N finishes (EOS, a stop) may already be in step N+1; its token from N+1 is
+dropped. `max_tokens` and `max_model_len` are known in advance, so a request that reaches them
+is not scheduled again. The device runs steps in order, so blocks freed while a later step is in
+flight can be reused at once: that step's stale writes land before the next owner's.
+
+Each running request holds a batch row in [0, max_num_seqs) from admission until it finishes or
+is preempted: the runner keeps its sampling parameters and logits-processing table there.
+
+Not thread-safe: one engine loop calls every method.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
+from llmjax.buckets import StepBuckets
 from llmjax.config import EngineConfig
 from llmjax.kv.manager import KVCacheManager
 from llmjax.request import Request, RequestStatus
+from llmjax.sampling_params import SamplingParams
+
+
+
+def _empty() -> np.ndarray:
+    return np.zeros(0, np.int32)
 
 
 @dataclass(frozen=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    start: int  # num_computed_tokens before this step
+class RowInit:
+    """A request that took batch row `row` this step: what the runner keeps per row. The token
+    lists are the request's own (read during `prepare`, never kept): its logits-processing table
+    is filled from them."""
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step completes the request's known tokens, so its sampled token is kept."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    row: int
+    params: SamplingParams
+    seed: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's work: decodes (one new token each) first, then prefill chunks."""
+    """One step's work, decodes (one new token each) first, then prefill chunks.
 
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    The runner reads only the arrays (`[n]` per scheduled request unless noted) and `new_rows`;
+    `requests` is for the scheduler's update and for observers (experiments, the simulator).
+    """
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: np.ndarray = field(default_factory=_empty)  # tokens computed this step
+    num_computed: np.ndarray = field(default_factory=_empty)  # tokens already in the cache: the new ones start at this position
+    rows: np.ndarray = field(default_factory=_empty)  # batch rows
+    samples: np.ndarray = field(default_factory=_empty)  # bool: the step ends at the request's last token, so its sampled token is kept
+    output_index: np.ndarray = field(default_factory=_empty)  # tokens it sampled before this step (its PRNG stream index)
+    token_ids: np.ndarray = field(default_factory=_empty)  # [num_tokens] the new tokens, flat; 0 where the token is still on the device
+    token_source: np.ndarray = field(default_factory=_empty)  # [num_tokens] index in the previous step's sampled tokens, or -1
+    block_tables: np.ndarray | None = None  # [n, B] padded with the null block (None in the simulator)
+    bucket: tuple[int, int, int] = (0, 0, 0)  # (T, S, B), see `llmjax.buckets`
     num_decodes: int = 0
+    num_tokens: int = 0
+    new_rows: list[RowInit] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+    def empty(self) -> bool:
+        return not self.requests
 
     @property
-    def empty(self) -> bool:
-        return not self.scheduled
+    def decode_only(self) -> bool:
+        return self.num_decodes == len(self.requests)
 
 
 class Scheduler:
-    """Owns the waiting queue and the running list; asks `kv` for blocks.
+    """Owns the waiting queue, the running list and the batch rows; asks `kv` for blocks.
 
-    Not thread-safe: one engine loop calls `add`, `abort`, `schedule` and `finish`.
+    Requests are known to `kv` by their `key` (unique in the process; ids given by callers may repeat).
+    `eos_token_ids` end a request (unless `ignore_eos`). With `build_step_inputs` the outputs carry
+    token ids and block tables for a runner; the simulator, which has no model, leaves it off (its
+    `kv` may have no block tables at all).
     """
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic,
+                 eos_token_ids: frozenset[int] = frozenset(), build_step_inputs: bool = False):
         self.config = config
         self.kv = kv
         self.clock = clock
+        self.eos_token_ids = eos_token_ids
+        self.build_step_inputs = build_step_inputs
+        self.buckets = StepBuckets(config)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.batch: set[str] = set()  # static/dynamic: ids of the current batch's members
+        self.batch: set[int] = set()  # static/dynamic: keys of the current batch's members
         self.input_closed = False  # static/dynamic: no more arrivals, so a partial batch may start
         self.num_preemptions = 0
+        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
 
     # --- queue changes -------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -87,82 +142,93 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.batch.discard(request.request_id)
-        if self.kv.has_request(request.request_id):
-            self.kv.free(request.request_id, request.all_token_ids[: request.num_computed_tokens])
+        self.batch.discard(request.key)
+        self._release_row(request)
+        if self.kv.has_request(request.key):
+            self.kv.free(request.key, request.token_slice(0, request.num_computed_tokens))
 
     # --- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        entries: list[tuple[Request, int]] = []  # (request, new tokens)
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self._form_batch()
+        running = RequestStatus.RUNNING
         for request in list(self.running):
             if budget == 0:
                 break
-            if request not in self.running:  # preempted earlier in this loop
-                continue
+            if request.status is not running or (request.num_pending and self._done_when_pending_arrive(request)):
+                continue  # preempted earlier in this loop, or will finish with its pending token
             n = min(request.num_tokens_to_compute, budget)
-            if not self._grow_or_preempt(request, n, out):
+            if n == 0 or not self._grow_or_preempt(request, n, out, entries):
                 continue
-            out.scheduled.append(ScheduledRequest(request, n, request.num_computed_tokens))
+            entries.append((request, n))
             budget -= n
         if not out.preempted:
-            self._admit(out, budget)
-        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
-        out.scheduled = decodes + prefills
-        out.num_decodes = len(decodes)
+            self._admit(out, entries, budget)
+        self._fill(out, entries)
         return out
 
-    def _grow_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
+    def _done_when_pending_arrive(self, request: Request) -> bool:
+        """Whether the tokens still on the device take the request to max_tokens or max_model_len."""
+        n_out = len(request.output_token_ids) + request.num_pending
+        return n_out >= request.sampling_params.max_tokens or \
+            request.num_tokens + request.num_pending >= self.config.max_model_len
+
+    def _grow_or_preempt(self, request: Request, n: int, out: SchedulerOutput, entries: list) -> bool:
         """Give `request` room for `n` more tokens, preempting the newest requests as needed."""
-        while not self.kv.grow(request.request_id, request.num_computed_tokens + n):
+        while not self.kv.grow(request.key, request.num_computed_tokens + n):
             victim = self.running[-1]
             self._preempt(victim, out)
+            entries[:] = [e for e in entries if e[0] is not victim]
             if victim is request:
                 return False
         return True
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
-        self.kv.free(request.request_id, request.all_token_ids[: request.num_computed_tokens])
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.kv.free(request.key, request.token_slice(0, request.num_computed_tokens))
+        self._requeue(request)
         out.preempted.append(request)
-        out.scheduled = [s for s in out.scheduled if s.request is not request]
 
     def preempt_all(self) -> None:
         """Send every running request back to the waiting queue to be recomputed, caching none of its
         blocks (after the runner lost the cache contents)."""
         for request in reversed(self.running):
-            self.kv.free(request.request_id)
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.WAITING
-            request.num_preemptions += 1
-            self.num_preemptions += 1
-            self.waiting.appendleft(request)
+            self.kv.free(request.key)
+            self._requeue(request)
         self.running.clear()
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _requeue(self, request: Request) -> None:
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._release_row(request)
+        self.waiting.appendleft(request)
+
+    def _release_row(self, request: Request) -> None:
+        if request.row >= 0:
+            self._free_rows.append(request.row)
+            request.row = -1
+
+    def _admit(self, out: SchedulerOutput, entries: list, budget: int) -> None:
         if self.config.queue_order == "lpm" and self.config.enable_prefix_caching and len(self.waiting) > 1:
-            match = {r.request_id: self.kv.peek_prefix_len(r.all_token_ids, r.namespace) for r in self.waiting}
-            self.waiting = deque(sorted(self.waiting, key=lambda r: -match[r.request_id]))
+            match = {r.key: self.kv.peek_prefix_len(r.all_token_ids, r.namespace) for r in self.waiting}
+            self.waiting = deque(sorted(self.waiting, key=lambda r: -match[r.key]))
         batched = self.config.scheduling_policy != "continuous"
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
-            if batched and request.request_id not in self.batch:
-                skipped.append(request)
+            if (batched and request.key not in self.batch) or request.num_pending:
+                skipped.append(request)  # not in the batch, or preempted with a token still on the device
                 continue
             if not self.config.enable_chunked_prefill and \
                     budget < request.num_tokens - self.kv.peek_prefix_len(request.all_token_ids, request.namespace):
                 self.waiting.appendleft(request)  # the whole prompt must fit one step
                 break
             # A request re-admitted after preemption finds its own blocks cached: not a prefix hit.
-            result = self.kv.allocate(request.request_id, request.all_token_ids, budget, request.namespace,
+            result = self.kv.allocate(request.key, request.all_token_ids, budget, request.namespace,
                                       count_query=request.num_preemptions == 0)
             if result is None:
                 self.waiting.appendleft(request)
@@ -173,8 +239,11 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.scheduled_time is None:
                 request.scheduled_time = self.clock()
+            request.row = self._free_rows.pop()
+            out.new_rows.append(RowInit(request.row, request.sampling_params, request.seed, request.sample_index,
+                                        request.prompt_token_ids, request.output_token_ids))
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, n, num_cached))
+            entries.append((request, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 
@@ -187,12 +256,103 @@ class Scheduler:
         full = len(self.waiting) >= size
         timed_out = policy == "dynamic" and self.clock() - self.waiting[0].arrival_time >= self.config.max_delay
         if full or timed_out or self.input_closed:
-            self.batch = {r.request_id for r in list(self.waiting)[:size]}
+            self.batch = {r.key for r in list(self.waiting)[:size]}
 
-    def after_step(self, out: SchedulerOutput) -> None:
-        """Advance progress of the scheduled requests; cache the full pages of finished prefill chunks."""
-        for s in out.scheduled:
-            request = s.request
-            request.num_computed_tokens = s.start + s.num_new_tokens
-            if self.config.enable_prefix_caching and s.num_new_tokens > 1:
-                self.kv.cache_blocks(request.request_id, request.all_token_ids[: request.num_computed_tokens])
+    def _fill(self, out: SchedulerOutput, entries: list[tuple[Request, int]]) -> None:
+        """Order the step (decodes first), advance each request's progress, and write the arrays."""
+        decodes = [e for e in entries if e[1] == 1]
+        entries = decodes + [e for e in entries if e[1] > 1]
+        n = len(entries)
+        out.requests = [r for r, _ in entries]
+        out.num_decodes = len(decodes)
+        if not n:
+            return
+        new = np.fromiter((k for _, k in entries), np.int32, n)
+        start = np.fromiter((r.num_computed_tokens for r, _ in entries), np.int32, n)
+        length = np.fromiter((r.num_tokens + r.num_pending for r, _ in entries), np.int32, n)
+        n_out = np.fromiter((len(r.output_token_ids) + r.num_pending for r, _ in entries), np.int32, n)
+        out.num_new_tokens, out.num_computed, out.output_index = new, start, n_out
+        out.samples = start + new == length
+        out.rows = np.fromiter((r.row for r, _ in entries), np.int32, n)
+        out.num_tokens = int(new.sum())
+        max_blocks = -(-int((start + new).max()) // self.config.block_size)
+        out.bucket = self.buckets.shape(out.num_tokens, n, max_blocks)
+        if self.build_step_inputs:
+            self._step_inputs(out, entries, start)
+        for i, (request, k) in enumerate(entries):
+            request.num_computed_tokens += k
+            if out.samples[i]:
+                request.num_pending += 1
+                request.inflight_index = i
+
+    def _step_inputs(self, out: SchedulerOutput, entries: list[tuple[Request, int]], start: np.ndarray) -> None:
+        """The new tokens (a token still on the device: its index in the previous step's output) and
+        the block tables, padded to the bucket's B."""
+        source = np.full(out.num_tokens, -1, np.int32)
+        tokens = np.zeros(out.num_tokens, np.int32)
+        d = out.num_decodes
+        for i, (request, _) in enumerate(entries[:d]):
+            if request.num_pending:
+                source[i] = request.inflight_index
+            else:
+                tokens[i] = request.token_at(int(start[i]))
+        if d < len(entries):
+            tokens[d:] = np.concatenate([r.token_slice(int(s), int(s) + k)
+                                         for (r, k), s in zip(entries[d:], start[d:])])
+        out.token_ids, out.token_source = tokens, source
+        lists = [self.kv.block_table(r.key) for r, _ in entries]
+        lens = np.fromiter(map(len, lists), np.int32, len(lists))
+        flat = np.fromiter(itertools.chain.from_iterable(lists), np.int32, int(lens.sum()))
+        row = np.repeat(np.arange(len(lists)), lens)
+        col = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
+        tables = np.zeros((len(entries), out.bucket[2]), np.int32)
+        tables[row, col] = flat
+        out.block_tables = tables
+
+    def update_from_output(self, out: SchedulerOutput, sampled: np.ndarray) -> list[tuple[int, Request]]:
+        """Apply a finished step: `sampled[i]` is the token of `out.requests[i]`.
+
+        Caches the full pages of prefill chunks (so a request's other samples, released after its
+        first token, find its prompt); appends each kept token (with its time), checks EOS
+        and stop ids (after `min_tokens`), `max_tokens` and `max_model_len`, and finishes those
+        requests (blocks freed). A request that finished meanwhile (an earlier step's stop, an
+        abort) gets nothing. Returns (index in the step, request) of every request that got a
+        token, in step order; the finished ones have a finished status.
+        """
+        now = self.clock()
+        appended = []
+        running, waiting = RequestStatus.RUNNING, RequestStatus.WAITING
+        chunks = self.config.enable_prefix_caching and out.num_decodes < len(out.requests)
+        for i, (request, samples) in enumerate(zip(out.requests, out.samples.tolist())):
+            status = request.status
+            if status is not running and status is not waiting:
+                continue  # finished meanwhile
+            if chunks and i >= out.num_decodes and status is running:
+                self.kv.cache_blocks(request.key, request.token_slice(0, request.num_computed_tokens))
+            if not samples:
+                continue
+            request.num_pending -= 1
+            token = int(sampled[i])
+            request.output_token_ids.append(token)
+            request.token_times.append(now)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            appended.append((i, request))
+            status = self._stop(request, token)
+            if status is not None:
+                self.finish(request, status)
+        return appended
+
+    def _stop(self, request: Request, token: int) -> RequestStatus | None:
+        """EOS, stop ids (both only after min_tokens), then max_tokens and max_model_len."""
+        params = request.sampling_params
+        n_out = len(request.output_token_ids)
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

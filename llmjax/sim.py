@@ -2,8 +2,9 @@
 
 `Simulator` replays a trace of `TraceRequest`s (arrival time, prompt token ids, the output length
 the request will produce) on a virtual clock. Each step mirrors `LLMEngine.step`: schedule, "execute"
-(the clock advances by `CostModel.step_time`), `after_step`, append one dummy token (`DUMMY_TOKEN`) to
-each request that samples, finish the requests that reached their drawn output length. No weights,
+(the clock advances by `CostModel.step_time`), then the scheduler's own `update_from_output` with one
+dummy token (`DUMMY_TOKEN`) per request: a request finishes at its drawn output length, which is its
+`max_tokens` (ignore_eos). No weights,
 no device: a GPU-sized pool and thousands of requests run in seconds, so allocator and policy
 effects can be measured at the scale of the papers.
 
@@ -19,10 +20,11 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from tqdm import tqdm
 
 from llmjax.config import EngineConfig
-from llmjax.request import Request, RequestStatus
+from llmjax.request import Request
 from llmjax.sampling_params import SamplingParams
 from llmjax.scheduler import Scheduler, SchedulerOutput
 
@@ -53,7 +55,7 @@ class CostModel:
     flops: float  # FLOP/s
 
     def step_time(self, out: SchedulerOutput) -> float:
-        kv_tokens = sum(s.start + s.num_new_tokens for s in out.scheduled)
+        kv_tokens = int((out.num_computed + out.num_new_tokens).sum()) if out.requests else 0
         linear = max(self.weight_bytes / self.bandwidth, out.num_tokens * self.flops_per_token / self.flops)
         return self.overhead_s + linear + kv_tokens * self.kv_bytes_per_token / self.bandwidth
 
@@ -141,7 +143,6 @@ class Simulator:
                 raise ValueError(f"{t.request_id}: {len(t.prompt)} + {t.output_len} tokens do not fit "
                                  f"max_model_len {self.config.max_model_len}")
         pending = deque(sorted(trace, key=lambda t: t.arrival))
-        targets = {t.request_id: t.output_len for t in trace}
         finished: list[Request] = []
         sched, steps = self.scheduler, 0
         bar = tqdm(total=len(trace), desc=progress, unit="req", disable=progress is None, leave=False)
@@ -158,7 +159,7 @@ class Simulator:
                 continue
             dt = self.cost.step_time(out)
             self.now += dt
-            done = complete_step(sched, out, self.now, targets)
+            done = finish_step(sched, out)
             finished.extend(done)
             bar.update(len(done))
             steps += 1
@@ -182,24 +183,11 @@ class Simulator:
         return min(times)
 
 
-def complete_step(sched: Scheduler, out: SchedulerOutput, now: float, targets: dict[str, int]) -> list[Request]:
-    """What the engine does after a forward, with dummy tokens: `after_step`, one token (stamped `now`)
-    for each request that samples, and `finish` for those that reached their `targets` length.
-    Returns the requests finished by this step."""
-    sched.after_step(out)
-    finished = []
-    for s in out.scheduled:
-        request = s.request
-        if not s.samples:
-            continue
-        request.output_token_ids.append(DUMMY_TOKEN)
-        request.token_times.append(now)
-        if request.first_token_time is None:
-            request.first_token_time = now
-        if len(request.output_token_ids) >= targets[request.request_id]:
-            sched.finish(request, RequestStatus.FINISHED_LENGTH)
-            finished.append(request)
-    return finished
+def finish_step(sched: Scheduler, out: SchedulerOutput) -> list[Request]:
+    """The scheduler's update of a simulated step: every sampled token is `DUMMY_TOKEN`. Returns the
+    requests the step finished (each at its `max_tokens`, the trace's output length)."""
+    appended = sched.update_from_output(out, np.full(len(out.requests), DUMMY_TOKEN, np.int32))
+    return [r for _, r in appended if r.status.finished]
 
 
 def _request(t: TraceRequest) -> Request:

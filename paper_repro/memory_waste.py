@@ -82,7 +82,7 @@ class Recorder:
 
     def __call__(self, sim: Simulator, out, dt: float) -> None:
         b = breakdown(sim.kv)
-        self.rows.append((sim.now, dt, len(out.scheduled), bool(sim.scheduler.waiting), b.total, b.token_states,
+        self.rows.append((sim.now, dt, len(out.requests), bool(sim.scheduler.waiting), b.total, b.token_states,
                           b.reservation, b.internal, b.external))
 
     def summary(self, start: float, end: float) -> dict[str, float]:

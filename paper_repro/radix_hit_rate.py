@@ -104,14 +104,12 @@ def step_shapes(engine: LLMEngine, workload: Workload, max_tokens: int) -> set[t
     """The (T, S, B, decode_only) buckets serving `workload` on `engine` will run: the same scheduler and
     a fresh KV manager of the same size replay it in the simulator, replies being dummy tokens of the
     same lengths (which schedules exactly as the real replies do)."""
-    config, runner = engine.config, engine.runner
+    config = engine.config
     kv = KVCacheManager(engine.num_blocks, config.block_size, config.enable_prefix_caching)
     shapes: set[tuple[int, int, int, bool]] = set()
 
     def observe(sim: Simulator, out, dt: float) -> None:
-        blocks = max(kv.num_blocks_for(s.start + s.num_new_tokens) for s in out.scheduled)
-        decode_only = out.num_decodes == len(out.scheduled)
-        shapes.add((*runner.shapes_for(out.num_tokens, len(out.scheduled), blocks), decode_only))
+        shapes.add((*out.bucket, out.decode_only))
 
     replies: list[list[list[int]]] = []
     while (prompts := workload.next_round(replies)) is not None:
@@ -185,8 +183,8 @@ class PrefixHits:
         self.first: dict[str, tuple[int, int]] = {}  # request id -> (cached tokens, prompt tokens)
 
     def __call__(self, sim: Simulator, out, dt: float) -> None:
-        for s in out.scheduled:
-            self.first.setdefault(s.request.request_id, (s.start, len(s.request.prompt_token_ids)))
+        for request, start in zip(out.requests, out.num_computed):
+            self.first.setdefault(request.request_id, (int(start), len(request.prompt_token_ids)))
 
     @property
     def hit_rate(self) -> float:

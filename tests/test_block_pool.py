@@ -9,8 +9,6 @@ from hypothesis import strategies as st
 from llmjax.kv import (
     NULL_BLOCK,
     BlockPool,
-    kv_bytes_per_token_gqa,
-    kv_bytes_per_token_mla,
     num_blocks_from_budget,
 )
 
@@ -180,12 +178,16 @@ def test_pool_matches_a_naive_model(ops):
 
 
 def test_bytes_per_token():
+    import dataclasses
+
+    from llmjax.config import PRESETS
+
     # Llama-3-8B: 32 layers, 8 KV heads of 128, bf16 -> 128 KiB per token.
-    assert kv_bytes_per_token_gqa(num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2) == 131072
+    llama = dataclasses.replace(PRESETS["tiny-gqa"], num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128)
+    assert llama.kv_bytes_per_token(2) == 131072
     # DeepSeek-V2: 60 layers, latent 512 + RoPE key 64, bf16.
-    assert kv_bytes_per_token_mla(num_layers=60, kv_lora_rank=512, qk_rope_head_dim=64, dtype_bytes=2) == 69120
-    with pytest.raises(ValueError, match="num_kv_heads"):
-        kv_bytes_per_token_gqa(num_layers=2, num_kv_heads=0, head_dim=64, dtype_bytes=2)
+    deepseek = dataclasses.replace(PRESETS["tiny-mla"], num_layers=60, kv_lora_rank=512, qk_rope_head_dim=64)
+    assert deepseek.kv_bytes_per_token(2) == 69120
 
 
 def test_num_blocks_from_budget():

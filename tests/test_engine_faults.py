@@ -26,7 +26,7 @@ def expected(engine):
 
 def assert_healthy(engine, expected):
     """Idle, invariants hold, nothing leaked, and a new batch is served exactly."""
-    assert not engine.has_unfinished_requests() and not engine.requests
+    assert not engine.has_unfinished_requests() and not engine._parents
     engine.check_kv_invariants()
     assert engine.kv.usage().used == 0
     assert [o.outputs[0].token_ids for o in run_to_completion(engine, PROMPTS)] == expected
@@ -54,7 +54,7 @@ def test_a_runner_that_raises_once_fails_only_that_step(engine, expected, monkey
     first = engine.add_request(PROMPTS[0], GREEDY)
     engine.step()  # the first request is running (prefilled)
     second = engine.add_request(PROMPTS[1], GREEDY)
-    calls = fail_once(monkeypatch, engine.runner, "execute")
+    calls = fail_once(monkeypatch, engine.runner, "dispatch")
     failed = engine.step()  # one step with both: both fail
     assert calls and {o.request_id for o in failed} == {first, second}
     for out in failed:
@@ -74,7 +74,7 @@ def test_a_step_that_loses_the_cache_fails_its_requests_and_drops_the_prefix_cac
     def lose_cache():
         jax.tree.map(lambda x: x.delete(), engine.runner.cache)
 
-    fail_once(monkeypatch, engine.runner, "execute", before=lose_cache)
+    fail_once(monkeypatch, engine.runner, "dispatch", before=lose_cache)
     [failed] = engine.step()
     assert failed.request_id == victim and failed.finished and "injected failure" in failed.error
     assert engine.kv.usage().cached == 0
@@ -100,7 +100,7 @@ def test_a_tokenizer_that_raises_on_one_prompt_fails_that_request_alone(engine, 
 
 def test_a_detokenizer_that_raises_on_one_token_fails_that_request_alone(engine, expected, monkeypatch):
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
-    victim = engine._sequences[ids[1]].detokenizer
+    victim = engine._parents[ids[1]].texts[0].detokenizer
     fail_once(monkeypatch, victim, "add")
     outputs = drain(engine, ids)
     assert outputs[1].error and outputs[1].outputs[0].finish_reason == "error"

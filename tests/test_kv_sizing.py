@@ -64,6 +64,6 @@ def test_engine_sizes_the_pool_from_the_device_report(monkeypatch):
                                   bytes_per_token)
     assert engine.num_blocks == want
     [(profile_blocks, shapes)] = profiled
-    max_blocks = engine.runner.max_blocks_per_seq
+    max_blocks = engine.runner.buckets.max_blocks
     assert profile_blocks == 2
     assert (64, 8, max_blocks, False) in shapes and (8, 8, max_blocks, True) in shapes

@@ -70,7 +70,8 @@ def test_step_returns_deltas(llm):
     assert "".join(d.outputs[0].text for d in deltas) == engine.tokenizer.decode(
         [d.outputs[0].token_ids[0] for d in deltas])
     assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
-    assert all(d.metrics.token_times == [] for d in deltas[:-1]) and len(deltas[-1].metrics.token_times) == 12
+    assert all(d.metrics is deltas[-1].metrics for d in deltas)  # one live record, never copied per step
+    assert len(deltas[-1].metrics.token_times) == 12 and deltas[-1].metrics.finish_time is not None
     assert deltas[-1].request_id == rid
 
 
@@ -78,13 +79,13 @@ def test_parallel_sampling_computes_the_prompt_once(llm):
     engine = llm.engine
     engine.kv.reset_prefix_cache()
     computed = []
-    original = engine.runner.execute
+    original = engine.runner.dispatch
 
-    def counting(out, tables):
-        computed.append(sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1))
-        return original(out, tables)
+    def counting(out, previous=None):
+        computed.append(int(out.num_new_tokens[out.num_new_tokens > 1].sum()))
+        return original(out, previous)
 
-    engine.runner.execute = counting
+    engine.runner.dispatch = counting
     try:
         before = engine.kv.stats()
         n = 4
@@ -92,7 +93,7 @@ def test_parallel_sampling_computes_the_prompt_once(llm):
         [out] = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
         after = engine.kv.stats()
     finally:
-        engine.runner.execute = original
+        engine.runner.dispatch = original
     assert [c.index for c in out.outputs] == list(range(n))
     assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) == n  # distinct streams per sample

@@ -2,6 +2,8 @@
 
 import itertools
 
+import numpy as np
+
 from llmjax.config import EngineConfig
 from llmjax.kv.manager import KVCacheManager
 from llmjax.request import Request, RequestStatus
@@ -27,23 +29,23 @@ def make(prompt_len: int, max_tokens: int = 4, arrival: float = 0.0, first_token
     return Request(f"r{i}", list(range(start, start + prompt_len)), params, seed=0, arrival_time=arrival)
 
 
-def scheduler(num_blocks=64, clock=None, **cfg) -> Scheduler:
+def scheduler(num_blocks=64, clock=None, build_step_inputs=False, eos_token_ids=frozenset(), **cfg) -> Scheduler:
     config = EngineConfig(**{"block_size": 4, "max_model_len": 256, "max_num_batched_tokens": 16,
                              "max_num_seqs": 8, **cfg})
-    return Scheduler(config, KVCacheManager(num_blocks, 4, config.enable_prefix_caching), clock or FakeClock())
+    return Scheduler(config, KVCacheManager(num_blocks, 4, config.enable_prefix_caching), clock or FakeClock(),
+                     eos_token_ids, build_step_inputs)
 
 
 def run_step(s: Scheduler):
-    """schedule, then what the engine does after the forward: append tokens, finish at max_tokens."""
+    """schedule, then the scheduler's update with token 7 for every request (finish at max_tokens)."""
     out = s.schedule()
-    s.after_step(out)
-    for sr in out.scheduled:
-        if sr.samples:
-            sr.request.output_token_ids.append(7)
-            if len(sr.request.output_token_ids) >= sr.request.sampling_params.max_tokens:
-                s.finish(sr.request, RequestStatus.FINISHED_LENGTH)
+    s.update_from_output(out, np.full(len(out.requests), 7))
     s.kv.check_invariants()
     return out
+
+
+def pairs(out):
+    return list(zip(out.requests, out.num_new_tokens.tolist()))
 
 
 def test_budget_chunks_long_prompts_and_decodes_go_first():
@@ -52,10 +54,10 @@ def test_budget_chunks_long_prompts_and_decodes_go_first():
     s.add(a)
     s.add(b)
     first = run_step(s)
-    assert [(x.request, x.num_new_tokens) for x in first.scheduled] == [(a, 6), (b, 10)]
+    assert pairs(first) == [(a, 6), (b, 10)]
     second = run_step(s)
-    assert second.num_decodes == 1 and second.scheduled[0].request is a
-    assert [(x.request, x.num_new_tokens) for x in second.scheduled] == [(a, 1), (b, 15)]
+    assert second.num_decodes == 1 and second.requests[0] is a
+    assert pairs(second) == [(a, 1), (b, 15)]
     assert all(o.num_tokens <= 16 for o in (first, second))
 
 
@@ -68,7 +70,7 @@ def test_a_chunk_never_starves_running_decodes():
     s.add(make(100))
     for _ in range(10):
         out = run_step(s)
-        assert {x.request for x in out.scheduled[: out.num_decodes]} == set(decoders)
+        assert set(out.requests[: out.num_decodes]) == set(decoders)
 
 
 def test_max_num_seqs():
@@ -76,7 +78,7 @@ def test_max_num_seqs():
     for _ in range(5):
         s.add(make(2))
     out = run_step(s)
-    assert len(out.scheduled) == 2 and len(s.waiting) == 3
+    assert len(out.requests) == 2 and len(s.waiting) == 3
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_whole_step():
@@ -84,7 +86,7 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_whole_step():
     s.add(make(200))
     s.add(make(100))
     out = run_step(s)
-    assert [x.num_new_tokens for x in out.scheduled] == [200]  # 100 more would exceed 256
+    assert out.num_new_tokens.tolist() == [200]  # 100 more would exceed 256
 
 
 def test_static_batch_waits_until_full_then_runs_to_its_longest_member():
@@ -96,12 +98,12 @@ def test_static_batch_waits_until_full_then_runs_to_its_longest_member():
     late = make(3)
     s.add(late)
     steps = [run_step(s) for _ in range(6)]
-    ran = [{x.request for x in o.scheduled} for o in steps]
+    ran = [set(o.requests) for o in steps]
     assert all(late not in r for r in ran)  # nobody joins until the batch is done
     assert ran[2] == {long_}  # the short one left; its slot stays idle
     assert run_step(s).empty  # the batch is done; one waiting request is not a full batch
     s.input_closed = True  # ... unless no more requests will come
-    assert late in {x.request for x in run_step(s).scheduled}
+    assert late in set(run_step(s).requests)
 
 
 def test_dynamic_batch_leaves_after_max_delay():
@@ -110,7 +112,7 @@ def test_dynamic_batch_leaves_after_max_delay():
     s.add(make(3, arrival=0.0))
     assert run_step(s).empty
     clock.now = 1.5
-    assert len(run_step(s).scheduled) == 1
+    assert len(run_step(s).requests) == 1
 
 
 def test_preemption_evicts_the_newest_and_admits_nobody_that_step():
@@ -124,7 +126,7 @@ def test_preemption_evicts_the_newest_and_admits_nobody_that_step():
     out = run_step(s)  # each needs a third block for its 9th token: the newest is preempted
     assert out.preempted == [reqs[2]]
     assert reqs[2].status is RequestStatus.WAITING and s.waiting[0] is reqs[2]
-    assert {x.request for x in out.scheduled} == set(reqs[:2])
+    assert set(out.requests) == set(reqs[:2])
     assert reqs[2].num_computed_tokens == 0 and reqs[2].output_token_ids == [7]
 
 
@@ -138,4 +140,22 @@ def test_lpm_orders_waiting_by_cached_prefix():
     s.add(other)
     s.add(sharing)
     out = run_step(s)
-    assert out.scheduled[0].request is sharing and out.scheduled[0].start == 8
+    assert out.requests[0] is sharing and out.num_computed[0] == 8
+
+
+def test_a_step_scheduled_before_the_previous_ones_tokens_arrive():
+    """Asynchronous scheduling: the second step is formed while the first one's tokens are on the device."""
+    s = scheduler(build_step_inputs=True, eos_token_ids=frozenset({9}))
+    a, b, last = make(5, max_tokens=10), make(6, max_tokens=10), make(3, max_tokens=1)
+    for r in (a, b, last):
+        s.add(r)
+    first = s.schedule()  # three prefills that each sample
+    assert first.samples.all() and [r.num_pending for r in (a, b, last)] == [1, 1, 1]
+    second = s.schedule()  # a and b decode their pending tokens; `last` reaches max_tokens with it
+    assert second.requests == [a, b] and second.token_source.tolist() == [0, 1]
+    assert second.output_index.tolist() == [1, 1]
+    s.update_from_output(first, np.array([9, 7, 7]))  # a samples EOS: finished, its blocks freed
+    assert a.status is RequestStatus.FINISHED_STOPPED and last.status is RequestStatus.FINISHED_LENGTH
+    assert [(i, r) for i, r in s.update_from_output(second, np.array([7, 7]))] == [(1, b)]  # a's token dropped
+    assert b.output_token_ids == [7, 7] and b.num_pending == 0 and a.output_token_ids == [9]
+    s.kv.check_invariants()

@@ -669,18 +669,18 @@ def test_n_samples_become_choices(client):
 
 def test_a_failed_engine_step_is_a_500_error_object_and_serving_goes_on(client, app):
     runner = app.state.server.async_engine.engine.runner
-    execute = runner.execute
+    dispatch = runner.dispatch
 
     def fail_once(*args, **kwargs):
-        runner.execute = execute
+        runner.dispatch = dispatch
         raise RuntimeError("injected step failure")
 
     for path, body in [("/v1/completions", {"prompt": "abc"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
-        runner.execute = fail_once
+        runner.dispatch = fail_once
         r = client.post(path, json={"model": MODEL, **body, **GREEDY})
         assert r.status_code == 500 and "injected step failure" in r.json()["error"]["message"], r.text
-        runner.execute = fail_once
+        runner.dispatch = fail_once
         events = stream(client, path, **body, **GREEDY)
         assert "injected step failure" in events[-1]["error"]["message"]
         _good_request(client)

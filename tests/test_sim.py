@@ -10,7 +10,7 @@ from llmjax.kv import KVCacheManager
 from llmjax.kv.contiguous import ContiguousKVCache
 from llmjax.request import Request
 from llmjax.sampling_params import SamplingParams
-from llmjax.scheduler import ScheduledRequest, SchedulerOutput
+from llmjax.scheduler import SchedulerOutput
 from llmjax.sim import DUMMY_TOKEN, CostModel, Simulator, TraceRequest
 from paper_repro.traces import Chats, chat_trace
 
@@ -98,7 +98,8 @@ def test_step_time_is_the_roofline_sum() -> None:
     cost = CostModel("toy", overhead_s=0.5, weight_bytes=10.0, flops_per_token=2.0, kv_bytes_per_token=3,
                      bandwidth=2.0, flops=1.0)
     req = Request("x", [1] * 10, SamplingParams(), seed=0)
-    out = SchedulerOutput([ScheduledRequest(req, 1, 9), ScheduledRequest(req, 4, 0)], num_decodes=1)
+    out = SchedulerOutput([req, req], num_new_tokens=np.array([1, 4]), num_computed=np.array([9, 0]), num_decodes=1,
+                          num_tokens=5)
     # 5 new tokens: compute (5 * 2 / 1 = 10 s) outweighs the weight read (10 / 2 = 5 s);
     # attention reads 10 + 4 context tokens of 3 bytes at 2 bytes/s
     assert cost.step_time(out) == pytest.approx(0.5 + 10.0 + 14 * 3 / 2)

@@ -3,7 +3,7 @@
 from llmjax.kv.block_pool import NULL_BLOCK, BlockPool
 from llmjax.kv.manager import KVCacheManager, KVUsage
 from llmjax.kv.radix_cache import PrefixCacheStats, PrefixMatch, RadixCache
-from llmjax.kv.sizing import kv_bytes_per_token_gqa, kv_bytes_per_token_mla, num_blocks_from_budget
+from llmjax.kv.sizing import num_blocks_from_budget
 
 __all__ = [
     "NULL_BLOCK",
@@ -13,7 +13,5 @@ __all__ = [
     "PrefixCacheStats",
     "PrefixMatch",
     "RadixCache",
-    "kv_bytes_per_token_gqa",
-    "kv_bytes_per_token_mla",
     "num_blocks_from_budget",
 ]

@@ -12,20 +12,6 @@ from __future__ import annotations
 from typing import Callable
 
 
-def kv_bytes_per_token_gqa(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """GQA family (MHA: num_kv_heads == num_heads, MQA: 1): K and V per layer, 2 * Hkv * D * layers * dtype."""
-    _check_positive(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
-    return 2 * num_kv_heads * head_dim * num_layers * dtype_bytes
-
-
-def kv_bytes_per_token_mla(num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype_bytes: int) -> int:
-    """MLA: the latent and the shared RoPE key per layer, (kv_lora_rank + rope_dim) * layers * dtype."""
-    _check_positive(num_layers=num_layers, kv_lora_rank=kv_lora_rank, dtype_bytes=dtype_bytes)
-    if qk_rope_head_dim < 0:
-        raise ValueError(f"qk_rope_head_dim must be >= 0, got {qk_rope_head_dim}")
-    return (kv_lora_rank + qk_rope_head_dim) * num_layers * dtype_bytes
-
-
 def num_blocks_from_budget(budget_bytes: int, block_size: int, kv_bytes_per_token: int) -> int:
     """Blocks (null block included) that fit in `budget_bytes`.
 
@@ -96,12 +82,3 @@ def kv_budget_bytes(utilization: float, memory_stats: MemoryStats, profile: Call
             "activations of the largest step <= 0; raise gpu_memory_utilization or lower "
             "max_num_batched_tokens / max_num_seqs")
     return budget
-
-
-def largest_step_shapes(runner) -> list[tuple[int, int, int, bool]]:
-    """The (T, S, B, decode_only) buckets with the most activations: the mixed step at
-    `max_num_batched_tokens` and the decode-only step at `max_num_seqs`, full block tables."""
-    cfg, b = runner.config, runner.max_blocks_per_seq
-    t, s, b = runner.shapes_for(cfg.max_num_batched_tokens, cfg.max_num_seqs, b)
-    t_dec, s_dec, _ = runner.shapes_for(cfg.max_num_seqs, cfg.max_num_seqs, b)
-    return [(t, s, b, False), (t_dec, s_dec, b, True)]

@@ -1,0 +1,111 @@
+"""Asynchronous scheduling (step N+1 dispatched before step N's tokens reach the host) gives exactly
+the synchronous outputs: on the engine test configurations, under preemption, with seeded sampling
+and logits processing, n > 1, stop strings and stop ids (a request that stops in step N has its
+step N+1 token dropped) and logprobs; aborts and failures while a step is in flight leak nothing."""
+
+import numpy as np
+import pytest
+
+from llmjax.sampling_params import SamplingParams
+from tests.engine_helpers import GREEDY, dense_greedy, drain, run_to_completion, tiny_engine
+from tests.test_engine import CONFIGS, PROMPTS, engine_bytes_per_token
+from tests.test_engine_faults import fail_once
+
+PREEMPTING = {"preemption": None}  # kv budget filled in per preset: 24 usable blocks of 8 tokens
+CASES = [("tiny-gqa", c) for c in sorted(CONFIGS) + list(PREEMPTING)] + \
+        [("tiny-mla", c) for c in ("continuous", "chunk-16", "preemption")]
+
+
+def overrides(preset: str, config: str) -> dict:
+    if config == "preemption":
+        return dict(kv_cache_memory_bytes=25 * 8 * engine_bytes_per_token(preset))
+    return CONFIGS[config]
+
+
+def summary(outputs):
+    """Every field of every sample; logprobs to 4 decimals (steps batched differently may round differently)."""
+    def rounded(logprobs):
+        return None if logprobs is None else [{t: round(v, 4) for t, v in e.items()} for e in logprobs]
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason, rounded(c.logprobs)) for c in o.outputs]
+            for o in outputs]
+
+
+@pytest.mark.parametrize("preset, config", CASES)
+def test_greedy_outputs_equal_synchronous_ones(preset, config):
+    sync = run_to_completion(tiny_engine(preset, **overrides(preset, config)), PROMPTS)
+    engine = tiny_engine(preset, async_scheduling=True, **overrides(preset, config))
+    overlapped = run_to_completion(engine, PROMPTS)
+    assert summary(overlapped) == summary(sync)
+    assert engine.kv.usage().used == 0
+    if config == "preemption":
+        assert engine.scheduler.num_preemptions > 0
+
+
+def mixed_params(stop_text: str, stop_id: int) -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0.9, top_p=0.8, seed=5, max_tokens=10, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=1.0, seed=6, n=3, max_tokens=9, ignore_eos=True, presence_penalty=0.5,
+                       frequency_penalty=0.3, repetition_penalty=1.3, logit_bias={7: 5.0}),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop_text]),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id], min_tokens=2),
+        SamplingParams(temperature=0.7, seed=8, max_tokens=6, min_tokens=6),
+    ]
+
+
+@pytest.mark.parametrize("config", ["continuous", "chunk-16", "preemption"])
+def test_sampling_stops_and_samples_equal_synchronous_ones(config):
+    probe = run_to_completion(tiny_engine(), [PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=30,
+                                                                          ignore_eos=True))[0].outputs[0]
+    params = mixed_params(probe.text[10:12], probe.token_ids[4])
+    results = []
+    for async_scheduling in (False, True):
+        engine = tiny_engine(async_scheduling=async_scheduling, **overrides("tiny-gqa", config))
+        ids = [engine.add_request(PROMPTS[i % len(PROMPTS)], p) for i, p in enumerate(params)]
+        results.append(summary(drain(engine, ids)))
+        assert engine.kv.usage().used == 0
+    assert results[1] == results[0]
+    stopped = results[0][2][0]
+    assert stopped[2] == "stop" and stopped[3] == params[2].stop[0]  # a request that stopped mid-flight
+
+
+def test_abort_while_a_step_is_in_flight_frees_everything():
+    engine = tiny_engine(async_scheduling=True)
+    expected = [dense_greedy(engine, p, GREEDY.max_tokens)[0] for p in PROMPTS]
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    for _ in range(3):
+        engine.step()
+        engine.check_kv_invariants()
+    for rid in ids:
+        engine.abort(rid)
+    engine.check_kv_invariants()
+    assert engine.kv.usage().used == 0 and not engine.has_unfinished_requests()
+    assert engine.step() == []  # the step still in flight belongs to aborted requests only
+    assert [o.outputs[0].token_ids for o in run_to_completion(engine, PROMPTS)] == expected
+
+
+@pytest.mark.parametrize("where", ["dispatch", "fetch"])
+def test_a_step_that_fails_while_another_is_in_flight_fails_only_its_requests(where, monkeypatch):
+    engine = tiny_engine(async_scheduling=True)
+    expected = [dense_greedy(engine, p, GREEDY.max_tokens)[0] for p in PROMPTS]
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:3]]
+    engine.step()
+    engine.step()  # one step in flight, one completed
+    fail_once(monkeypatch, engine.runner, where)
+    failed = [o for o in engine.step() if o.error]
+    assert failed and all("injected failure" in o.error for o in failed)
+    outputs = drain(engine, [i for i in ids if i not in {o.request_id for o in failed}])
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    engine.check_kv_invariants()
+    assert engine.kv.usage().used == 0
+    assert [o.outputs[0].token_ids for o in run_to_completion(engine, PROMPTS)] == expected
+
+
+def test_one_transfer_per_step_brings_tokens_and_logprobs():
+    engine = tiny_engine()
+    [out] = run_to_completion(engine, [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                                    logprobs=3))
+    lps = out.outputs[0].logprobs
+    assert len(lps) == 4 and all(len(entry) >= 3 for entry in lps)
+    for token, entry in zip(out.outputs[0].token_ids, lps):
+        assert max(entry.values()) == pytest.approx(entry[token])  # greedy: the sampled token is the top one
+        assert all(np.isfinite(v) and v <= 0 for v in entry.values())
