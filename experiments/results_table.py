@@ -124,8 +124,12 @@ def sharing(d: dict, n: Numbers) -> str:
             parts.append(f"{dataset} {method} {n.span(r['savings'], '.1f', 100)} % (paper "
                          f"{n(lo, '.1f', 100)}-{n(hi, '.1f', 100)} %)")
     widths = next(iter(next(iter(d["sim"].values())).values()))["widths"]
-    return (f"KV blocks saved by sharing at {n.span(widths, 'd')} sequences per request (simulator): "
-            + "; ".join(parts) + "; the real engine's parallel sampling not measured yet")
+    head = f"KV blocks saved by sharing at {n.span(widths, 'd')} sequences per request (simulator): " + "; ".join(parts)
+    if "engine" not in d:
+        return head + "; the real engine's parallel sampling not measured yet"
+    e = d["engine"]
+    return (head + f"; the real engine's parallel sampling (`n`, Alpaca lengths) {n.span(e['engine'], '.1f', 100)} % "
+            f"(simulator on the same lengths {n.span(e['sim'], '.1f', 100)} %)")
 
 
 def routing(d: dict, n: Numbers) -> str:
@@ -153,6 +157,13 @@ def kv_bookkeeping(d: dict, n: Numbers) -> str:
 def kernel_bench(d: dict, n: Numbers) -> str:
     return (f"measured peaks: matmul {n(d['peak_flops'], '.1f', 1e-12)} TFLOP/s, copy {n(d['peak_bw'], '.0f', 1e-9)} "
             f"GB/s; {n(len(d['rows']), 'd')} kernel shapes timed")
+
+
+def host_overhead(d: dict, n: Numbers) -> str:
+    parts = [f"{n(r['concurrency'], 'd')} decodes: {n(r['sync_host_ms'], '.2f')} ms, {n(r['hidden'], '.0%')} hidden"
+             for r in d["rows"]]
+    return ("host time per decode step of a tiny model (synchronous), and the share asynchronous scheduling hides: "
+            + "; ".join(parts))
 
 
 def batching(d: dict, n: Numbers) -> str:
@@ -213,6 +224,7 @@ ROWS: list[tuple[str, str, Formatter]] = [
     ("[routing](results/routing.md)", "results/routing.json", routing),
     ("[load](results/load.md)", "results/load.json", load),
     ("[kv_bookkeeping](results/kv_bookkeeping.md)", "results/kv_bookkeeping.json", kv_bookkeeping),
+    ("[host_overhead](results/host_overhead.md)", "results/host_overhead.json", host_overhead),
     ("[kernel_bench](results/gpu/kernel_bench.md) (GPU)", "results/gpu/kernel_bench.json", kernel_bench),
     ("[batching](results/batching.md)", "results/batching.json", batching),
     ("[chunked_prefill](results/chunked_prefill.md)", "results/chunked_prefill.json", chunked_prefill),

@@ -1,0 +1,162 @@
+"""Host time per engine step by phase, synchronous and asynchronous scheduling, at 64 / 256 / 1024
+concurrent decodes on a tiny model (`tiny-gqa`, random weights: the device step is short, so the
+host's share is what this measures).
+
+For each concurrency N: N requests (16-token prompts, greedy, ignore_eos) are admitted and
+prefilled, then `--steps` steady decode steps are timed, each with all N requests decoding. Phases
+(seconds per step, from the engine's and runner's counters): schedule, prepare (input building and
+dispatch), update (the scheduler's `update_from_output`), output (text and delta outputs), and the
+wait for the device. Synchronous: host = wall - wait. Asynchronous: the next step is dispatched
+before the host waits for the previous one, so the host's work runs while the device computes;
+hidden share = (sync wall - async wall) / sync host time, i.e. how much of the host's time no
+longer adds to a step. On this CPU the "device" is XLA's threads on the same 2 cores as the Python
+thread, so overlap is limited by the cores as well as by the pipeline.
+
+    python experiments/host_overhead.py [--concurrency 64,256,1024] [--steps 40] [--repeats 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from llmjax.provenance import results_dir, write_results  # noqa: E402
+
+PHASES = ("schedule", "prepare", "update", "output")
+TARGET_HOST_MS, TARGET_HIDDEN = 1.0, 0.9  # at 256 decodes
+
+
+def counters(engine) -> dict[str, float]:
+    r = engine.runner
+    return {"schedule": engine.time_schedule, "prepare": r.time_prepare, "update": engine.time_update,
+            "output": engine.time_output, "wait": r.time_device}
+
+
+def measure(n: int, async_scheduling: bool, steps: int) -> dict[str, float]:
+    """Seconds per steady decode step: wall and each phase."""
+    from llmjax.config import EngineConfig
+    from llmjax.engine import LLMEngine
+    from llmjax.sampling_params import SamplingParams
+
+    config = EngineConfig(max_num_seqs=n, max_num_batched_tokens=max(512, n), max_model_len=512,
+                          kv_cache_memory_bytes=n * 256 * 4096, async_scheduling=async_scheduling)
+    engine = LLMEngine.from_config("tiny-gqa", config)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
+    for _ in range(n):
+        engine.add_request(rng.integers(3, 500, 16).tolist(), params)
+    while engine.scheduler.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids)
+                                          for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(8):  # compile and settle the decode-only bucket
+        engine.step()
+    before, t0 = counters(engine), time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = (time.perf_counter() - t0) / steps
+    after = counters(engine)
+    assert len(engine.scheduler.running) == n, "every request must still be decoding"
+    phases = {k: (after[k] - before[k]) / steps for k in after}
+    return {"wall": wall, **phases, "host": sum(phases[p] for p in PHASES)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", default="64,256,1024")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per setting; the median run (by wall) is kept")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 64 and 256, 10 steps, 1 repeat; written to "
+                    "build/results-quick/")
+    args = ap.parse_args()
+    if args.quick:
+        args.concurrency, args.steps, args.repeats = "64,256", 10, 1
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rows = []
+    bar = tqdm(total=len(levels) * 2 * args.repeats, desc="settings", unit="run")
+    for n in levels:
+        row = {"concurrency": n}
+        for mode in ("sync", "async"):
+            runs = []
+            for _ in range(args.repeats):
+                bar.set_postfix_str(f"{n} decodes, {mode}")
+                runs.append(measure(n, mode == "async", args.steps))
+                bar.update()
+            row[mode] = sorted(runs, key=lambda r: r["wall"])[len(runs) // 2]
+        s, a = row["sync"], row["async"]
+        row["sync_host_ms"] = 1e3 * (s["wall"] - s["wait"])
+        row["hidden"] = (s["wall"] - a["wall"]) / (s["wall"] - s["wait"])
+        rows.append(row)
+    bar.close()
+
+    head = ("| decodes | mode | wall ms/step | " + " | ".join(f"{p} ms" for p in PHASES)
+            + " | wait ms | host ms (wall - wait) | hidden |")
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for row in rows:
+        for mode in ("sync", "async"):
+            r = row[mode]
+            hidden = f"{100 * row['hidden']:.0f}%" if mode == "async" else ""
+            lines.append(f"| {row['concurrency']} | {mode} | {1e3 * r['wall']:.2f} | "
+                         + " | ".join(f"{1e3 * r[p]:.3f}" for p in PHASES)
+                         + f" | {1e3 * r['wait']:.2f} | {1e3 * (r['wall'] - r['wait']):.2f} | {hidden} |")
+    at = {row["concurrency"]: row for row in rows}
+    findings = []
+    if 256 in at:
+        r = at[256]
+        findings.append(
+            f"At 256 decodes the synchronous step spends {r['sync_host_ms']:.2f} ms on the host "
+            f"(target <= {TARGET_HOST_MS:.1f} ms: {'met' if r['sync_host_ms'] <= TARGET_HOST_MS else 'not met'}), "
+            f"and asynchronous scheduling hides {100 * r['hidden']:.0f}% of it "
+            f"(target >= {100 * TARGET_HIDDEN:.0f}%: {'met' if r['hidden'] >= TARGET_HIDDEN else 'not met'}).")
+    body = "\n".join([
+        f"`python experiments/host_overhead.py --concurrency {args.concurrency} --steps {args.steps} "
+        f"--repeats {args.repeats}`", "",
+        "Steady decode steps of `tiny-gqa` (random weights, 4 layers, hidden 256): seconds per step by phase "
+        f"(median of {args.repeats} runs of {args.steps} steps). Host = wall - wait (synchronous: the host's "
+        "phases run one after another with the device idle); hidden = (sync wall - async wall) / sync host.", "",
+        *lines, "", *findings, "", "![host time per step](host_overhead.png)",
+    ])
+    out = results_dir(args.quick)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(rows, out / "host_overhead.png")
+    write_results(out, "host_overhead", "# Host overhead per step\n\n" + body,
+                  {"rows": rows, "args": vars(args), "targets": {"host_ms": TARGET_HOST_MS, "hidden": TARGET_HIDDEN}})
+    print(body)
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    labels, x = [], 0
+    for row in rows:
+        for mode in ("sync", "async"):
+            r, bottom = row[mode], 0.0
+            for phase, color in zip((*PHASES, "wait"), ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:gray")):
+                ax.bar(x, 1e3 * r[phase], bottom=bottom, color=color, label=phase if x == 0 else None)
+                bottom += 1e3 * r[phase]
+            ax.plot([x - 0.4, x + 0.4], [1e3 * r["wall"]] * 2, color="black", label="wall" if x == 0 else None)
+            labels.append(f"{row['concurrency']}\n{mode}")
+            x += 1
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel("ms per decode step")
+    ax.set_title("Host phases and device wait per step (bars); wall time (line)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
