@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from llmjax.attention.backend import BACKENDS
 from llmjax.config import EngineConfig
 
 
@@ -34,7 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue-order", choices=["fcfs", "lpm"], default=d.queue_order)
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="static/dynamic batch size")
     parser.add_argument("--max-delay", type=float, default=d.max_delay, help="dynamic batching timeout (s)")
-    parser.add_argument("--attention-backend", choices=["xla", "pallas", "pallas-interpret"], default=d.attention_backend)
+    parser.add_argument("--attention-backend", choices=BACKENDS, default=d.attention_backend,
+                        help="default: 'cpu' (the native decode kernel) on CPU when it compiles, else 'xla' "
+                             "(see docs/architecture.md, 'Choosing an implementation')")
     parser.add_argument("--dtype", default=d.dtype, help="float32 (CPU default) or bfloat16 (GPU default)")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,

@@ -187,8 +187,9 @@ def sharded_attention(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend
 
         return call
 
-    return AttentionBackend(
-        backend.name,
-        per_device(backend.ragged_paged_attention, (heads, kv, kv)),
-        per_device(backend.mla_ragged_paged_attention, (heads, heads, rep)),
+    return dataclasses.replace(
+        backend,
+        ragged_paged_attention=per_device(backend.ragged_paged_attention, (heads, kv, kv)),
+        mla_ragged_paged_attention=per_device(backend.mla_ragged_paged_attention, (heads, heads, rep)),
+        plan=None,  # the kernels' plans are per-device shapes: not passed through shard_map
     )

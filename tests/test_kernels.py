@@ -240,11 +240,14 @@ def test_backend_names(monkeypatch):
     assert get_attention_backend(None).name == backend.default_backend_name()
     assert get_attention_backend("xla").ragged_paged_attention is xla.ragged_paged_attention
     # xla stays the default on a GPU until gpu_check has passed on that JAX version
+    # the CPU default: the native decode kernel when it builds, else the pure-JAX path
+    from llmjax.attention import native
+    cpu_default = "cpu" if native.available() else "xla"
     assert backend.default_backend_name("gpu", "0.11.2") == "xla"
-    assert backend.default_backend_name("cpu", "0.11.2") == "xla"
+    assert backend.default_backend_name("cpu", "0.11.2") == cpu_default
     monkeypatch.setattr(backend, "PALLAS_VERIFIED_JAX", ("0.11.2",))
     assert backend.default_backend_name("gpu", "0.11.2") == "pallas"
-    assert backend.default_backend_name("cpu", "0.11.2") == "xla"
+    assert backend.default_backend_name("cpu", "0.11.2") == cpu_default
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("cudnn")
     if not on_gpu():

@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache: a pure-JAX path (`xla`) and Pallas kernels."""
+"""Attention over the paged KV cache: a pure-JAX path (`xla`), a native CPU decode kernel (`cpu`)
+and Pallas kernels."""
 
 from llmjax.attention.backend import BACKENDS, AttentionBackend, get_attention_backend
 

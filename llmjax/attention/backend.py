@@ -1,14 +1,16 @@
-"""Pick the attention implementation: "xla" | "pallas" | "pallas-interpret".
+"""Pick the attention implementation: "xla" | "cpu" | "pallas" | "pallas-interpret".
 
 The model calls `backend.ragged_paged_attention(...)` and
 `backend.mla_ragged_paged_attention(...)` with the signatures of `llmjax.attention.xla`
 (from inside `lax.scan` over layers, inside `jax.jit`); `sm_scale` must be a Python float.
 
-The default is "xla" everywhere, a GPU included, until `experiments/gpu_check.py` has passed
-on a GPU with the running JAX version: the Pallas kernels are tested in interpret mode and
-lowered for CUDA on CPU, but Triton's native compilation, its numerics and its speed are only
-known once that script has run. Its passing JAX versions go in `PALLAS_VERIFIED_JAX`; on
-those, a GPU defaults to "pallas". Asking for "pallas" by name always works on a GPU.
+On CPU the default is "cpu" (decode rows through the native kernel, `llmjax.attention.cpu`)
+when `native.available()` (a C++ compiler built it), else "xla". Elsewhere the default is
+"xla", a GPU included, until `experiments/gpu_check.py` has passed on a GPU with the running
+JAX version: the Pallas kernels are tested in interpret mode and lowered for CUDA on CPU, but
+Triton's native compilation, its numerics and its speed are only known once that script has
+run. Its passing JAX versions go in `PALLAS_VERIFIED_JAX`; on those, a GPU defaults to
+"pallas". Asking for "pallas" by name always works on a GPU.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, Callable
 
 import jax
 
-BACKENDS = ("xla", "pallas", "pallas-interpret")
+BACKENDS = ("xla", "cpu", "pallas", "pallas-interpret")
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 PALLAS_VERIFIED_JAX: tuple[str, ...] = ()  # JAX versions on which gpu_check.py passed on a GPU
 
@@ -27,12 +29,16 @@ PALLAS_VERIFIED_JAX: tuple[str, ...] = ()  # JAX versions on which gpu_check.py 
 @dataclass(frozen=True)
 class AttentionBackend:
     """`plan(step, model_config, decode_only)`, when set, computes per-step metadata once,
-    outside the layer scan; the model passes it to every layer's call as `plan=`."""
+    outside the layer scan; the model passes it to every layer's call as `plan=`.
+    `reads_storage`: the functions take the cache arrays in their storage dtype (uint16 bits
+    of a bfloat16 cache on CPU, see `cache_dtype`), as the pure-JAX and native paths do; False:
+    as values (bfloat16), as the Pallas kernels need. The two differ only on CPU."""
 
     name: str
     ragged_paged_attention: Callable[..., jax.Array]
     mla_ragged_paged_attention: Callable[..., jax.Array]
     plan: Callable[..., Any] | None = None
+    reads_storage: bool = True
 
 
 def _pallas_plan(step, model_config, decode_only: bool):
@@ -49,22 +55,36 @@ def _pallas_plan(step, model_config, decode_only: bool):
 
 
 def default_backend_name(platform: str | None = None, jax_version: str | None = None) -> str:
-    """"pallas" on a GPU whose JAX version is in PALLAS_VERIFIED_JAX, "xla" otherwise."""
+    """"cpu" on CPU when the native kernel is available; "pallas" on a GPU whose JAX version
+    is in PALLAS_VERIFIED_JAX; "xla" otherwise. Builds the native kernel on first use on CPU."""
     platform = platform or jax.default_backend()
     jax_version = jax_version or jax.__version__
+    if platform == "cpu":
+        from llmjax.attention import native
+        return "cpu" if native.available() else "xla"
     verified = jax_version in PALLAS_VERIFIED_JAX
     return "pallas" if platform in _GPU_PLATFORMS and verified else "xla"
 
 
 def get_attention_backend(name: str | None = None) -> AttentionBackend:
     """The backend called `name` (None: the platform's default). Raises ValueError for an
-    unknown name, or for "pallas" without a GPU (use "pallas-interpret" there)."""
+    unknown name, for "cpu" off the CPU platform or without its native kernel (the logged
+    warning says why), or for "pallas" without a GPU (use "pallas-interpret" there)."""
     name = name or default_backend_name()
     if name == "xla":
         from llmjax.attention import xla
         return AttentionBackend(name, xla.ragged_paged_attention, xla.mla_ragged_paged_attention)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
+    if name == "cpu":
+        from llmjax.attention import cpu, native, xla
+        if jax.default_backend() != "cpu":
+            raise ValueError(f"attention backend 'cpu' needs the CPU platform (platform is "
+                             f"{jax.default_backend()!r})")
+        if not native.available():
+            raise ValueError("attention backend 'cpu': the native kernel is unavailable "
+                             "(see the logged warning); use 'xla'")
+        return AttentionBackend(name, cpu.ragged_paged_attention, xla.mla_ragged_paged_attention)
     if name == "pallas" and jax.default_backend() not in _GPU_PLATFORMS:
         raise ValueError(f"attention backend 'pallas' needs a GPU (platform is "
                          f"{jax.default_backend()!r}); use 'pallas-interpret' or 'xla'")
@@ -74,4 +94,4 @@ def get_attention_backend(name: str | None = None) -> AttentionBackend:
         name,
         functools.partial(pallas_kernels.ragged_paged_attention, interpret=interpret),
         functools.partial(pallas_kernels.mla_ragged_paged_attention, interpret=interpret),
-        plan=_pallas_plan)
+        plan=_pallas_plan, reads_storage=False)

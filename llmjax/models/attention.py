@@ -88,9 +88,10 @@ class PagedContext:
         return cache_array.at[layer, blocks, offsets].set(to_storage(values, cache_array.dtype))
 
     def _read_view(self, cache_array: jax.Array) -> jax.Array:
-        """The cache as the backend reads it: "xla" reads the storage dtype (uint16 bits of a
-        bfloat16 cache on CPU); the kernels get bfloat16 (a copy: only in CPU interpret mode)."""
-        return cache_array if self.backend.name == "xla" else to_values(cache_array)
+        """The cache as the backend reads it: in its storage dtype when `backend.reads_storage`
+        (uint16 bits of a bfloat16 cache on CPU); else as values (bfloat16 for the Pallas kernels:
+        a copy, only in CPU interpret mode)."""
+        return cache_array if self.backend.reads_storage else to_values(cache_array)
 
     def _plan(self) -> dict:
         return {} if self.plan is None else {"plan": self.plan}

@@ -1,0 +1,55 @@
+"""The "cpu" attention backend: decode rows through the native kernel, the rest as `xla`.
+
+`ragged_paged_attention` has the signature and contract of `xla.ragged_paged_attention`
+(docs/architecture.md, "Attention over the paged cache"). Its decode rows are computed by
+`paged_decode` (`cpu_kernels/paged_decode.cc` through `jax.ffi`), which reads the cache in its
+storage dtype in place, when `native_decode_supported` (head dim a multiple of 32, a float32 or
+uint16-as-bfloat16 cache); otherwise, and for prefill tiles always, by the pure-JAX passes.
+The backend requires `native.available()`. MLA has no native kernel: the backend uses xla's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llmjax.attention import native, xla
+from llmjax.attention.cache_dtype import BF16_BITS
+
+_STORAGE = (jnp.dtype(jnp.float32), jnp.dtype(BF16_BITS))
+
+
+def native_decode_supported(head_dim: int, cache_dtype) -> bool:
+    """Whether `paged_decode` handles this head dim and cache storage dtype."""
+    return head_dim % 32 == 0 and jnp.dtype(cache_dtype) in _STORAGE
+
+
+def paged_decode(q, k_cache, v_cache, layer, query_start_loc, seq_lens, block_tables,
+                 num_decodes, *, sm_scale, decode_only=False):
+    """The decode rows of `xla.ragged_paged_attention` (q [T, H, D] -> [T, H, D] in q's dtype,
+    the other rows 0): request i with q_len > 0 and (i < num_decodes or decode_only).
+
+    k_cache, v_cache: [L, num_blocks, bs, Hkv, D] in a dtype `native_decode_supported` accepts;
+    the other operands int32 as in xla. q is widened to float32; math is float32. CPU platform
+    only; RuntimeError when `native.available()` is False.
+    """
+    if not native.available():
+        raise RuntimeError("the native CPU attention kernel is unavailable (see the logged warning)")
+    call = jax.ffi.ffi_call(native.TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    out = call(q.astype(jnp.float32), k_cache, v_cache, i32(layer), i32(query_start_loc),
+               i32(seq_lens), i32(block_tables), i32(num_decodes),
+               sm_scale=np.float32(sm_scale), decode_only=bool(decode_only))
+    return out.astype(q.dtype)
+
+
+def ragged_paged_attention(q, k_cache, v_cache, layer, query_start_loc, seq_lens, block_tables,
+                           num_decodes, *, sm_scale, decode_only=False):
+    """`xla.ragged_paged_attention` with its decode rows from `paged_decode` where supported."""
+    rows = paged_decode if native_decode_supported(q.shape[-1], k_cache.dtype) else None
+    return xla.ragged_paged_attention(q, k_cache, v_cache, layer, query_start_loc, seq_lens,
+                                      block_tables, num_decodes, sm_scale=sm_scale,
+                                      decode_only=decode_only, decode_rows=rows)

@@ -1,0 +1,498 @@
+// Decode attention over the paged KV cache for XLA:CPU, called through the XLA FFI.
+//
+// Handler `LlmjaxPagedDecode` (registered by llmjax/attention/native.py), operands:
+//   q               f32 [T, H, D], D a multiple of 32
+//   k_cache         [L, num_blocks, block_size, Hkv, D], f32 or u16 (bfloat16 bit patterns)
+//   v_cache         same shape and dtype as k_cache
+//   layer           s32 []  the layer of the caches to read
+//   query_start_loc s32 [S+1]
+//   seq_lens        s32 [S]
+//   block_tables    s32 [S, B]
+//   num_decodes     s32 []
+// attributes: sm_scale (f32), decode_only (bool); result: f32 [T, H, D].
+//
+// Decode rows: request i with q_len_i > 0 and (i < num_decodes or decode_only); by the
+// caller's contract its one new token is q[query_start_loc[i]], at position seq_lens[i] - 1.
+// Its row of the result is the softmax(q.k * sm_scale)-weighted sum of v over positions
+// [0, seq_lens[i]), query head h reading KV head h / (H / Hkv). Every other row is 0.
+//
+// The cache is read in place, along the block table in chunks of kChunk keys (the next chunk
+// prefetched meanwhile), with an online softmax per head: each context slot's K and V rows
+// come from memory once (a KV head's G query heads reuse them from the CPU caches); slots
+// past the context are never read. Math is float32 in 16-lane vectors (GNU
+// vector extensions: AVX-512 registers with -march=native on x86, narrower ones elsewhere).
+// Values are handled 32 at a time ("pairs" of vectors): float32 as two consecutive vectors;
+// bfloat16 as one 64-byte load split into its even and odd elements by a shift and a mask
+// (exact), q and the accumulators being kept in that same order. Scores: per key, lane-wise
+// partial sums of q.k; 16 keys' partials are summed at once by a transposing tree of pairwise
+// shuffles. Work items are (decode row, range of KV heads), run by the calling thread and
+// XLA's intra-op thread pool. An out-of-range layer, block id or context length, or a head dim
+// that is not a multiple of 32, is an InvalidArgument error (nothing is read).
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+using F32R3 = ffi::Buffer<ffi::F32, 3>;
+using S32R0 = ffi::BufferR0<ffi::S32>;
+using S32R1 = ffi::Buffer<ffi::S32, 1>;
+using S32R2 = ffi::Buffer<ffi::S32, 2>;
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kPair = 2 * kLanes;  // values per pair of vectors
+constexpr int64_t kChunk = 64;         // keys per online-softmax step (a multiple of kLanes)
+typedef float Vec __attribute__((vector_size(kLanes * 4)));
+typedef int32_t Lanes __attribute__((vector_size(kLanes * 4)));
+typedef uint32_t Bits __attribute__((vector_size(kLanes * 4)));
+
+inline Vec Load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+inline Vec AsFloats(Bits b) {
+  Vec v;
+  std::memcpy(&v, &b, sizeof v);
+  return v;
+}
+
+// 32 stored values as float32 vectors, in pair order (see the header comment).
+struct Pair {
+  Vec a, b;
+};
+
+inline Pair LoadPair(const float* p) { return {Load(p), Load(p + kLanes)}; }
+
+inline Pair LoadPair(const uint16_t* p) {
+  Bits x;
+  std::memcpy(&x, p, sizeof x);  // lane i: bfloat16 2i in its low half, 2i + 1 in its high half
+  return {AsFloats(x << 16), AsFloats(x & 0xffff0000u)};
+}
+
+// Pair order of d float32 values (d a multiple of 32) for the storage type of the last
+// argument (a tag, not read), and back (scaled).
+inline void ToPairOrder(const float* src, int64_t d, float* dst, const float*) {
+  std::memcpy(dst, src, d * sizeof(float));
+}
+
+inline void ToPairOrder(const float* src, int64_t d, float* dst, const uint16_t*) {
+  for (int64_t c = 0; c < d; c += kPair) {
+    for (int64_t i = 0; i < kLanes; ++i) {
+      dst[c + i] = src[c + 2 * i];
+      dst[c + kLanes + i] = src[c + 2 * i + 1];
+    }
+  }
+}
+
+inline void FromPairOrder(const float* src, int64_t d, float scale, float* dst, const float*) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = src[i] * scale;
+}
+
+inline void FromPairOrder(const float* src, int64_t d, float scale, float* dst, const uint16_t*) {
+  for (int64_t c = 0; c < d; c += kPair) {
+    for (int64_t i = 0; i < kLanes; ++i) {
+      dst[c + 2 * i] = src[c + i] * scale;
+      dst[c + 2 * i + 1] = src[c + kLanes + i] * scale;
+    }
+  }
+}
+
+// Lanes 0-7: sums of a's adjacent lane pairs; lanes 8-15: the same for b.
+inline Vec PairSums(Vec a, Vec b) {
+#if defined(__clang__)
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  constexpr Lanes even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  constexpr Lanes odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
+#endif
+}
+
+// Lane j of the result: the sum of p[j]'s lanes (p is clobbered).
+inline Vec SumLanes(Vec* p) {
+  for (int64_t i = 0; i < 8; ++i) p[i] = PairSums(p[2 * i], p[2 * i + 1]);
+  for (int64_t i = 0; i < 4; ++i) p[i] = PairSums(p[2 * i], p[2 * i + 1]);
+  for (int64_t i = 0; i < 2; ++i) p[i] = PairSums(p[2 * i], p[2 * i + 1]);
+  return PairSums(p[0], p[1]);
+}
+
+// A reduction of one vector's lanes (a pairwise tree).
+template <typename Op>
+inline float ReduceLanes(Vec x, Op op) {
+  float t[kLanes];
+  std::memcpy(t, &x, sizeof t);
+  for (int64_t w = kLanes / 2; w > 0; w /= 2) {
+    for (int64_t i = 0; i < w; ++i) t[i] = op(t[i], t[i + w]);
+  }
+  return t[0];
+}
+
+// exp(x) for x <= 0, lane-wise (Cephes' expf: relative error ~2e-7); below exp(-87), ~1.6e-38.
+inline Vec ExpNonPositive(Vec x) {
+  const Vec lo = Vec{} - 87.f;
+  x = x < lo ? lo : x;
+  const Vec magic = Vec{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const Vec n = (x * 1.44269504088896341f + magic) - magic;
+  const Vec r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  Vec p = Vec{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const Vec y = p * r * r + r + 1.f;
+  const Lanes e = (__builtin_convertvector(n, Lanes) + 127) << 23;
+  Vec scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return y * scale;
+}
+
+inline float Exp(float x) { return ExpNonPositive(Vec{} + x)[0]; }
+
+struct Geometry {
+  int64_t block_size, kv_heads, group, head_dim, max_blocks;
+};
+
+inline int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Per-thread scratch for one work item: q, acc [heads, D] (pair order); m, l [heads];
+// s [heads, kChunk]; keys, next [kChunk]: cache slots (element offsets of KV head 0 in the
+// layer) of this chunk and the next; rows [KV heads, kChunk]: the chunk's rows of one cache.
+template <typename T>
+struct Scratch {
+  std::vector<float> q, acc, m, l, s;
+  std::vector<int64_t> keys, next;
+  std::vector<const T*> rows;
+  void Reset(int64_t heads, int64_t kv_heads, int64_t d) {
+    q.resize(heads * d);
+    acc.assign(heads * d, 0.f);
+    m.assign(heads, -1e30f);
+    l.assign(heads, 0.f);
+    s.resize(heads * kChunk);
+    keys.resize(kChunk);
+    next.resize(kChunk);
+    rows.resize(kv_heads * kChunk);
+  }
+};
+
+// keys[j] = the element offset (KV head 0) in the layer of the slot of context position
+// first + j, for j < n.
+inline void ChunkSlots(const int32_t* table, int64_t first, int64_t n, const Geometry& g,
+                       int64_t slot, int64_t* keys) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pos = first + j;
+    keys[j] = (static_cast<int64_t>(table[pos / g.block_size]) * g.block_size +
+               pos % g.block_size) * slot;
+  }
+}
+
+// rows[h * kChunk + j] = x's row of key j for KV head h0 + h, for j < n rounded up to whole
+// vectors (keys past n repeat key n - 1).
+template <typename T>
+void RowPointers(const T* x, const int64_t* keys, int64_t n, int64_t h0, int64_t h1, int64_t d,
+                 const T** rows) {
+  for (int64_t h = 0; h < h1 - h0; ++h) {
+    for (int64_t j = 0; j < RoundUp(n, kLanes); ++j) {
+      rows[h * kChunk + j] = x + keys[std::min(j, n - 1)] + (h0 + h) * d;
+    }
+  }
+}
+
+// Prefetches bytes [offset, offset + bytes) of the slots keys[0, n) of x.
+template <typename T>
+void Prefetch(const T* x, const int64_t* keys, int64_t n, int64_t offset, int64_t bytes) {
+  for (int64_t j = 0; j < n; ++j) {
+    const char* row = reinterpret_cast<const char*>(x + keys[j] + offset);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+  }
+}
+
+// s[j] = q . rows[j] for j < n rounded up to whole vectors; q in pair order, np pairs (kNp: np
+// if known statically). 16 keys at a time, their lane-wise partial sums side by side
+// (independent chains), then SumLanes.
+template <int64_t kNp, typename T>
+void Scores(const float* q, const T* const* rows, int64_t n, int64_t np, float* s) {
+  np = kNp ? kNp : np;
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+    const T* const* r = rows + j0;
+    Vec p[kLanes] = {};
+    for (int64_t c = 0; c < np; ++c) {
+      const Vec qa = Load(q + c * kPair), qb = Load(q + c * kPair + kLanes);
+      for (int64_t jj = 0; jj < kLanes; ++jj) {
+        const Pair k = LoadPair(r[jj] + c * kPair);
+        p[jj] += qa * k.a;
+        p[jj] += qb * k.b;
+      }
+    }
+    Store(s + j0, SumLanes(p));
+  }
+}
+
+// acc += sum_j w[j] * rows[j] for j < n (acc in pair order, np pairs). With np known
+// statically, acc stays in registers and keys go round kSets accumulators (independent chains).
+template <int64_t kNp, typename T>
+void Accumulate(float* acc, const float* w, const T* const* rows, int64_t n, int64_t np) {
+  if constexpr (kNp > 0) {
+    constexpr int64_t kSets = std::clamp<int64_t>(8 / kNp, 1, 4);
+    Vec a[kSets][2 * kNp] = {};
+    int64_t j = 0;
+    for (; j + kSets <= n; j += kSets) {
+      for (int64_t t = 0; t < kSets; ++t) {
+        for (int64_t c = 0; c < kNp; ++c) {
+          const Pair v = LoadPair(rows[j + t] + c * kPair);
+          a[t][2 * c] += w[j + t] * v.a;
+          a[t][2 * c + 1] += w[j + t] * v.b;
+        }
+      }
+    }
+    for (; j < n; ++j) {
+      for (int64_t c = 0; c < kNp; ++c) {
+        const Pair v = LoadPair(rows[j] + c * kPair);
+        a[0][2 * c] += w[j] * v.a;
+        a[0][2 * c + 1] += w[j] * v.b;
+      }
+    }
+    for (int64_t c = 0; c < 2 * kNp; ++c) {
+      Vec sum = Load(acc + c * kLanes);
+      for (int64_t t = 0; t < kSets; ++t) sum += a[t][c];
+      Store(acc + c * kLanes, sum);
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t c = 0; c < np; ++c) {
+        const Pair v = LoadPair(rows[j] + c * kPair);
+        float* ac = acc + c * kPair;
+        Store(ac, Load(ac) + w[j] * v.a);
+        Store(ac + kLanes, Load(ac + kLanes) + w[j] * v.b);
+      }
+    }
+  }
+}
+
+// Online-softmax step of one head over a chunk's n scores s, held in whole vectors (lanes past
+// n: ignored). The scores are replaced by their weights (0 past n); updates the running max m
+// and sum l and returns the factor the head's accumulator is rescaled by.
+inline float SoftmaxStep(float* s, int64_t n, float& m, float& l) {
+  constexpr Lanes lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const Vec lowest = Vec{} - 3.4e38f;
+  Vec vmax = lowest;
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+    const Lanes valid = lane + static_cast<int32_t>(j0) < static_cast<int32_t>(n);
+    const Vec x = valid ? Load(s + j0) : lowest;
+    vmax = x > vmax ? x : vmax;
+  }
+  const float m_new =
+      std::max(m, ReduceLanes(vmax, [](float a, float b) { return std::max(a, b); }));
+  Vec sum = {};
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+    const Lanes valid = lane + static_cast<int32_t>(j0) < static_cast<int32_t>(n);
+    const Vec e = valid ? ExpNonPositive(Load(s + j0) - m_new) : Vec{};
+    Store(s + j0, e);
+    sum += e;
+  }
+  const float alpha = Exp(m - m_new);
+  l = l * alpha + ReduceLanes(sum, [](float a, float b) { return a + b; });
+  m = m_new;
+  return alpha;
+}
+
+// One decode row, KV heads [h0, h1): q_row [H, D] -> out_row [H, D] for query heads
+// [h0 * G, h1 * G). k, v: one layer [num_blocks, bs, Hkv, D]; table: the row's block ids.
+// kNp: D / 32 when known at compile time, else 0.
+template <int64_t kNp, typename T>
+void AttendRow(const float* q_row, const T* k, const T* v, const int32_t* table,
+               int64_t context, int64_t h0, int64_t h1, float sm_scale, const Geometry& g,
+               Scratch<T>& sc, float* out_row) {
+  const int64_t d = g.head_dim, np = d / kPair, gs = g.group, nh = h1 - h0;
+  const int64_t heads = nh * gs, first = h0 * gs;
+  const int64_t slot = g.kv_heads * d;  // elements per cache slot
+  const int64_t span = nh * d * static_cast<int64_t>(sizeof(T));  // bytes read per slot
+  sc.Reset(heads, nh, d);
+  for (int64_t h = 0; h < heads; ++h) {
+    ToPairOrder(q_row + (first + h) * d, d, sc.q.data() + h * d, k);
+    for (int64_t i = 0; i < d; ++i) sc.q[h * d + i] *= sm_scale;
+  }
+  const T** rows = sc.rows.data();
+  ChunkSlots(table, 0, std::min(kChunk, context), g, slot, sc.keys.data());
+  for (int64_t c0 = 0; c0 < context; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, context - c0);
+    const int64_t n_next = std::min(kChunk, context - c0 - n);
+    const int64_t* keys = sc.keys.data();
+    ChunkSlots(table, c0 + n, n_next, g, slot, sc.next.data());
+    RowPointers(k, keys, n, h0, h1, d, rows);
+    for (int64_t h = 0; h < heads; ++h) {
+      // The next chunk's blocks are elsewhere in memory: fetch them meanwhile, spread over
+      // this chunk's work rather than in one burst.
+      const int64_t lo = h * n_next / heads, hi = (h + 1) * n_next / heads;
+      Prefetch(k, sc.next.data() + lo, hi - lo, h0 * d, span);
+      Prefetch(v, sc.next.data() + lo, hi - lo, h0 * d, span);
+      Scores<kNp>(sc.q.data() + h * d, rows + (h / gs) * kChunk, n, np, sc.s.data() + h * kChunk);
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      const float alpha = SoftmaxStep(sc.s.data() + h * kChunk, n, sc.m[h], sc.l[h]);
+      if (alpha != 1.f) {
+        for (int64_t i = 0; i < d; ++i) sc.acc[h * d + i] *= alpha;
+      }
+    }
+    RowPointers(v, keys, n, h0, h1, d, rows);
+    for (int64_t h = 0; h < heads; ++h) {
+      Accumulate<kNp>(sc.acc.data() + h * d, sc.s.data() + h * kChunk, rows + (h / gs) * kChunk,
+                      n, np);
+    }
+    std::swap(sc.keys, sc.next);
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = sc.l[h] > 0.f ? 1.f / sc.l[h] : 0.f;
+    FromPairOrder(sc.acc.data() + h * d, d, inv, out_row + (first + h) * d, k);
+  }
+}
+
+// Claims items from a shared counter until none is left; `done` counts finished items.
+// Shared with pool tasks that may start after the handler returned (they then find no item
+// and touch nothing else), hence owned by a shared_ptr.
+struct WorkQueue {
+  int64_t size = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable all_done;
+  std::function<void(int64_t)> run;
+
+  void Drain() {
+    for (int64_t i; (i = next.fetch_add(1)) < size;) {
+      run(i);
+      if (done.fetch_add(1) + 1 == size) {
+        std::lock_guard<std::mutex> lock(mu);
+        all_done.notify_all();
+      }
+    }
+  }
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu);
+    all_done.wait(lock, [this] { return done.load() == size; });
+  }
+};
+
+template <typename T>
+void RunDecodeRows(ffi::ThreadPool& pool, const float* q, const T* k, const T* v,
+                   const std::vector<int64_t>& rows, const int32_t* qsl, const int32_t* seq_lens,
+                   const int32_t* tables, int64_t num_heads, float sm_scale, const Geometry& g,
+                   float* out) {
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  const int64_t num_rows = static_cast<int64_t>(rows.size());
+  // Few rows: split each row's KV heads too, so every thread gets work.
+  const int64_t splits = std::clamp<int64_t>((2 * workers + num_rows - 1) / num_rows, 1, g.kv_heads);
+  auto queue = std::make_shared<WorkQueue>();
+  queue->size = num_rows * splits;
+  queue->run = [&, splits](int64_t item) {
+    thread_local Scratch<T> scratch;
+    const int64_t i = rows[item / splits], part = item % splits;
+    const int64_t h0 = g.kv_heads * part / splits, h1 = g.kv_heads * (part + 1) / splits;
+    const int64_t row_elems = num_heads * g.head_dim;
+    const auto attend = g.head_dim == 64    ? AttendRow<2, T>
+                        : g.head_dim == 128 ? AttendRow<4, T>
+                                            : AttendRow<0, T>;
+    attend(q + qsl[i] * row_elems, k, v, tables + i * g.max_blocks, seq_lens[i], h0, h1,
+           sm_scale, g, scratch, out + qsl[i] * row_elems);
+  };
+  const int64_t helpers = std::min(workers, queue->size) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([queue] { queue->Drain(); });
+  queue->Drain();
+  queue->Wait();
+}
+
+ffi::Error PagedDecode(ffi::ThreadPool pool, F32R3 q, ffi::AnyBuffer k_cache,
+                       ffi::AnyBuffer v_cache, S32R0 layer, S32R1 query_start_loc,
+                       S32R1 seq_lens, S32R2 block_tables, S32R0 num_decodes, float sm_scale,
+                       bool decode_only, ffi::Result<F32R3> out) {
+  const auto qd = q.dimensions(), cd = k_cache.dimensions(), td = block_tables.dimensions();
+  const auto dtype = k_cache.element_type();
+  if (cd.size() != 5 || !(v_cache.dimensions() == cd) || v_cache.element_type() != dtype) {
+    return ffi::Error::InvalidArgument("k_cache and v_cache must be [L, blocks, bs, Hkv, D] alike");
+  }
+  if (dtype != ffi::DataType::F32 && dtype != ffi::DataType::U16) {
+    return ffi::Error::InvalidArgument("the cache must be float32 or uint16 (bfloat16 bits)");
+  }
+  const int64_t num_tokens = qd[0], num_heads = qd[1], num_seqs = seq_lens.dimensions()[0];
+  const Geometry g{cd[2], cd[3], cd[3] > 0 ? num_heads / cd[3] : 0, cd[4], td[1]};
+  if (qd[2] != g.head_dim || g.kv_heads == 0 || num_heads % g.kv_heads != 0) {
+    return ffi::Error::InvalidArgument("q must be [T, H, D] with H a multiple of Hkv");
+  }
+  if (g.head_dim % kPair != 0) return ffi::Error::InvalidArgument("D must be a multiple of 32");
+  if (query_start_loc.dimensions()[0] != num_seqs + 1 || td[0] != num_seqs) {
+    return ffi::Error::InvalidArgument("query_start_loc [S+1], seq_lens [S], block_tables [S, B]");
+  }
+  const int32_t l = *layer.typed_data();
+  if (l < 0 || l >= cd[0]) return ffi::Error::InvalidArgument("layer out of range");
+
+  const int32_t* qsl = query_start_loc.typed_data();
+  const int32_t* lens = seq_lens.typed_data();
+  const int32_t* tables = block_tables.typed_data();
+  const int32_t decodes = *num_decodes.typed_data();
+  std::vector<int64_t> rows;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    if (qsl[i + 1] - qsl[i] <= 0 || !(decode_only || i < decodes)) continue;
+    if (qsl[i] < 0) return ffi::Error::InvalidArgument("negative query_start_loc");
+    if (qsl[i] >= num_tokens) continue;  // a token past q: dropped, as the pure-JAX path does
+    if (lens[i] < 0 || lens[i] > g.max_blocks * g.block_size) {
+      return ffi::Error::InvalidArgument("seq_lens[" + std::to_string(i) + "] out of range");
+    }
+    for (int64_t b = 0; b * g.block_size < lens[i]; ++b) {
+      const int32_t id = tables[i * g.max_blocks + b];
+      if (id < 0 || id >= cd[1]) {
+        return ffi::Error::InvalidArgument("block id out of range in block_tables[" +
+                                           std::to_string(i) + "]");
+      }
+    }
+    if (lens[i] > 0) rows.push_back(i);
+  }
+
+  float* o = out->typed_data();
+  std::fill(o, o + out->element_count(), 0.f);
+  if (rows.empty()) return ffi::Error::Success();
+  const int64_t layer_elems = cd[1] * cd[2] * cd[3] * cd[4];
+  if (dtype == ffi::DataType::F32) {
+    const float* k = static_cast<const float*>(k_cache.untyped_data()) + l * layer_elems;
+    const float* v = static_cast<const float*>(v_cache.untyped_data()) + l * layer_elems;
+    RunDecodeRows(pool, q.typed_data(), k, v, rows, qsl, lens, tables, num_heads, sm_scale, g, o);
+  } else {
+    const uint16_t* k = static_cast<const uint16_t*>(k_cache.untyped_data()) + l * layer_elems;
+    const uint16_t* v = static_cast<const uint16_t*>(v_cache.untyped_data()) + l * layer_elems;
+    RunDecodeRows(pool, q.typed_data(), k, v, rows, qsl, lens, tables, num_heads, sm_scale, g, o);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxPagedDecode, PagedDecode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32R3>()           // q
+                                  .Arg<ffi::AnyBuffer>()  // k_cache
+                                  .Arg<ffi::AnyBuffer>()  // v_cache
+                                  .Arg<S32R0>()           // layer
+                                  .Arg<S32R1>()           // query_start_loc
+                                  .Arg<S32R1>()           // seq_lens
+                                  .Arg<S32R2>()           // block_tables
+                                  .Arg<S32R0>()           // num_decodes
+                                  .Attr<float>("sm_scale")
+                                  .Attr<bool>("decode_only")
+                                  .Ret<F32R3>());         // out

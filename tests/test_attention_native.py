@@ -1,0 +1,230 @@
+"""The "cpu" attention backend: the native decode kernel against a naive NumPy reference and the
+pure-JAX path, its use inside the engine, and the loader's fallback when it cannot compile."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llmjax.attention import backend, cpu, native, xla
+from llmjax.attention.cache_dtype import BF16_BITS, to_storage
+from llmjax.sampling_params import SamplingParams
+from tests.attention_cases import (Batch, assert_close, naive_gqa, random_cache,
+                                   rng)  # noqa: F401  (rng is a fixture)
+from tests.engine_helpers import run_to_completion, tiny_engine
+
+TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+BLOCK = 16
+DECODE_CONTEXTS = [1, 15, 16, 17, 64, 65, 130, 300]  # block and 64-key chunk boundaries
+PREFILLS = [(5, 5), (20, 47), (1, 33), (9, 16)]  # (q_len, seq_len): whole prompts and chunks
+
+
+@pytest.fixture
+def kernel():
+    if not native.available():
+        pytest.skip("the native CPU attention kernel did not build here")
+
+
+def batch_of(rng, requests, *, num_padded=2, pad_tokens=3, max_blocks=24) -> Batch:
+    """A Batch of (q_len, seq_len) requests (decodes first), then padded (0, 0) requests;
+    shuffled, non-contiguous block ids, block 0 (the null block) never used."""
+    requests = list(requests) + [(0, 0)] * num_padded
+    q_lens = [q for q, _ in requests]
+    seq_lens = [s for _, s in requests]
+    need = [-(-s // BLOCK) for s in seq_lens]
+    num_blocks = sum(need) + 3
+    ids = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
+    tables = np.zeros((len(requests), max_blocks), np.int32)
+    used = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = ids[used:used + n]
+        used += n
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_decodes = next((i for i, q in enumerate(q_lens) if q != 1), len(q_lens))
+    return Batch(q_lens, seq_lens, num_decodes, int(qsl[-1]) + pad_tokens, BLOCK, max_blocks, qsl,
+                 np.asarray(seq_lens, np.int32), tables, num_blocks)
+
+
+def inputs(rng, batch, *, num_kv_heads, group, head_dim, dtype, layers=2):
+    """q [T, H, D] and K/V caches holding NaN outside every context, as values and as stored."""
+    q = jnp.asarray(rng.standard_normal((batch.num_tokens, num_kv_heads * group, head_dim)), dtype)
+    k, v = (random_cache(rng, batch, layers, (num_kv_heads, head_dim), dtype) for _ in range(2))
+    stored = (k, v) if dtype == jnp.float32 else tuple(to_storage(x, BF16_BITS) for x in (k, v))
+    return q, (k, v), stored
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("num_kv_heads,group", [(3, 3), (2, 1), (2, 4), (1, 4), (1, 1)])
+def test_decode_rows_match_reference(rng, num_kv_heads, group, dtype):
+    """The kernel alone: decode rows right, every other row (prefill, padding) exactly 0."""
+    contexts = [int(c) for c in rng.permutation(DECODE_CONTEXTS)]
+    batch = batch_of(rng, [(1, c) for c in contexts] + PREFILLS[:2])
+    q, (k, v), stored = inputs(rng, batch, num_kv_heads=num_kv_heads, group=group, head_dim=64,
+                               dtype=dtype)
+    f = jax.jit(functools.partial(cpu.paged_decode, sm_scale=0.125))
+    out = f(q, *stored, jnp.int32(1), *batch.args())
+    assert out.dtype == q.dtype
+    out = np.asarray(out, np.float64)
+    assert np.isfinite(out).all()
+    ref = naive_gqa(q, k, v, 1, batch, 0.125)
+    n = batch.num_decodes
+    np.testing.assert_allclose(out[:n], ref[:n], **TOL[dtype])
+    np.testing.assert_array_equal(out[n:], 0.0)
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_backend_matches_reference(rng, dtype, decode_only):
+    """The backend function: decode rows from the kernel, prefill rows from the pure-JAX tiles."""
+    decodes = [(1, c) for c in rng.permutation(DECODE_CONTEXTS)[:5]]
+    batch = batch_of(rng, decodes if decode_only else decodes + PREFILLS)
+    q, (k, v), stored = inputs(rng, batch, num_kv_heads=3, group=3, head_dim=64, dtype=dtype)
+    f = jax.jit(functools.partial(cpu.ragged_paged_attention, sm_scale=0.125,
+                                  decode_only=decode_only))
+    out = f(q, *stored, jnp.int32(0), *batch.args())
+    assert out.dtype == q.dtype
+    assert_close(out, naive_gqa(q, k, v, 0, batch, 0.125), batch, **TOL[dtype])
+    oracle = jax.jit(functools.partial(xla.ragged_paged_attention, sm_scale=0.125,
+                                       decode_only=decode_only))
+    np.testing.assert_allclose(np.asarray(out, np.float32),
+                               np.asarray(oracle(q, *stored, jnp.int32(0), *batch.args()),
+                                          np.float32), **TOL[dtype])
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_layer_traced_inside_scan(rng, dtype):
+    """The model's use: lax.scan over layers, the layer index traced."""
+    batch = batch_of(rng, [(1, 40), (1, 17), (1, 1)] + PREFILLS[1:2])
+    q, (k, v), stored = inputs(rng, batch, num_kv_heads=2, group=2, head_dim=32, dtype=dtype,
+                               layers=3)
+
+    @jax.jit
+    def all_layers(q, k, v, args):
+        def body(_, layer):
+            return None, cpu.ragged_paged_attention(q, k, v, layer, *args, sm_scale=0.25)
+        return jax.lax.scan(body, None, jnp.arange(3, dtype=jnp.int32))[1]
+
+    outs = all_layers(q, *stored, batch.args())
+    for layer in range(3):
+        assert_close(outs[layer], naive_gqa(q, k, v, layer, batch, 0.25), batch, **TOL[dtype])
+
+
+@pytest.mark.usefixtures("kernel")
+def test_cache_is_read_in_place():
+    """The cache, a scan carry updated every layer, is handed to the kernel without a copy."""
+    layers, blocks = 3, 64
+    cache = jnp.zeros((layers, blocks, BLOCK, 2, 32), BF16_BITS)
+    q = jnp.zeros((8, 4, 32), jnp.bfloat16)
+    args = (jnp.array([0, 1, 2]), jnp.array([5, 9]), jnp.ones((2, 4), jnp.int32), jnp.int32(2))
+
+    def step(q, k, v):
+        def body(carry, layer):
+            k, v = (c.at[layer, 1, 0].set(jnp.ones((2, 32), BF16_BITS)) for c in carry)
+            out = cpu.ragged_paged_attention(q, k, v, layer, *args, sm_scale=0.25, decode_only=True)
+            return (k, v), out
+        return jax.lax.scan(body, (k, v), jnp.arange(layers, dtype=jnp.int32))
+
+    hlo = jax.jit(step, donate_argnums=(1, 2)).lower(q, cache, cache).compile().as_text()
+    whole = f"[{layers},{blocks},{BLOCK},2,32]"
+    assert any("custom-call" in line and native.TARGET in line for line in hlo.splitlines())
+    copies = [line for line in hlo.splitlines() if whole in line and ("copy(" in line or "convert(" in line)]
+    assert not copies, copies
+
+
+@pytest.mark.usefixtures("kernel")
+def test_unsupported_head_dim_uses_the_pure_jax_decode(rng):
+    batch = batch_of(rng, [(1, 20), (1, 3)])
+    q, (k, v), stored = inputs(rng, batch, num_kv_heads=1, group=2, head_dim=16, dtype=jnp.float32)
+    assert not cpu.native_decode_supported(16, jnp.float32)
+    out = jax.jit(functools.partial(cpu.ragged_paged_attention, sm_scale=0.25))(
+        q, *stored, jnp.int32(0), *batch.args())
+    assert_close(out, naive_gqa(q, k, v, 0, batch, 0.25), batch, **TOL[jnp.float32])
+
+
+@pytest.mark.usefixtures("kernel")
+def test_out_of_range_block_id_is_an_error(rng):
+    batch = batch_of(rng, [(1, 20)], num_padded=0)
+    q, _, stored = inputs(rng, batch, num_kv_heads=1, group=1, head_dim=32, dtype=jnp.float32)
+    batch.block_tables[0, 1] = batch.num_blocks  # one past the last block
+    with pytest.raises(Exception, match="block id out of range"):
+        jax.block_until_ready(cpu.paged_decode(q, *stored, jnp.int32(0), *batch.args(), sm_scale=1.0))
+
+
+@pytest.mark.usefixtures("kernel")
+def test_engine_matches_xla_backend():
+    """tiny-gqa (head dim 32, GQA group 4): the same greedy tokens with "cpu" as with "xla";
+    step 2 mixes decodes with a prefill chunk."""
+    gen = np.random.default_rng(7)
+    prompts = [gen.integers(3, 250, size=n).tolist() for n in (5, 19, 20, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = {b: run_to_completion(tiny_engine("tiny-gqa", attention_backend=b, block_size=16,
+                                                max_num_batched_tokens=32), prompts, params)
+               for b in ("xla", "cpu")}
+    for ours, ref in zip(outputs["cpu"], outputs["xla"]):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+@pytest.mark.usefixtures("kernel")
+def test_backend_selection():
+    assert backend.default_backend_name("cpu") == "cpu"
+    b = backend.get_attention_backend("cpu")
+    assert b.name == "cpu" and b.reads_storage
+    assert b.mla_ragged_paged_attention is xla.mla_ragged_paged_attention
+    assert backend.get_attention_backend("xla").reads_storage
+    assert not backend.get_attention_backend("pallas-interpret").reads_storage  # bfloat16 views
+    assert "cpu" in backend.BACKENDS
+
+
+def test_build_is_cached_and_safe_to_race(tmp_path, capfd):
+    """Two builders at once into an empty cache: one library, no partial file left behind; a
+    later build reuses it without compiling."""
+    try:
+        native.find_compiler()
+    except native.BuildError:
+        pytest.skip("no C++ compiler")
+    paths = [None, None]
+
+    def run(i):
+        paths[i] = native.build(tmp_path)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert paths[0] == paths[1] and paths[0].exists()
+    assert [p.name for p in tmp_path.iterdir()] == [paths[0].name]
+    capfd.readouterr()
+    assert native.build(tmp_path) == paths[0]
+    assert "compiling" not in capfd.readouterr().err
+
+
+@pytest.fixture
+def no_compiler(tmp_path, monkeypatch):
+    """No compiler on PATH, an empty kernel cache; the loader's state is reset before and after."""
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    monkeypatch.setenv("LLMJAX_NATIVE_CACHE", str(tmp_path / "cache"))
+    native.available.cache_clear()
+    yield
+    native.available.cache_clear()
+
+
+@pytest.mark.usefixtures("no_compiler")
+def test_falls_back_without_a_compiler(caplog):
+    with caplog.at_level("WARNING", logger=native.__name__):
+        assert not native.available()
+        assert not native.available()  # one warning, not one per call
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0].getMessage()
+    assert backend.default_backend_name("cpu") == "xla"
+    with pytest.raises(ValueError, match="native kernel is unavailable"):
+        backend.get_attention_backend("cpu")
