@@ -117,18 +117,22 @@ _LOADED: dict = {}
 
 
 def make_engine(model: str | None, config: EngineConfig):
-    """An `LLMEngine` for `model` (None: the embedded SmolLM2; or a preset); weights load once per process,
-    compiled step buckets are shared by the engines of one process and cached on disk across runs."""
+    """An `LLMEngine` for `model` (None: the embedded SmolLM2; or a preset) in `config.dtype`; weights load
+    once per (model, dtype) and process, compiled step buckets are shared by the engines of one process and
+    cached on disk across runs."""
+    import jax.numpy as jnp
+
     from llmjax.engine import LLMEngine
-    from llmjax.models.loader import load_model
+    from llmjax.models.loader import default_dtype, load_model
     from llmjax.runner import enable_compilation_cache
     from llmjax.tokenizer import load_tokenizer
 
-    if model not in _LOADED:
+    key = (model, jnp.dtype(config.dtype or default_dtype()))
+    if key not in _LOADED:
         enable_compilation_cache()  # JAX's persistent cache: a rerun compiles (almost) nothing
-        loaded = load_model(model)
-        _LOADED[model] = (loaded, load_tokenizer(loaded.source, loaded.config.eos_token_ids))
-    loaded, tokenizer = _LOADED[model]
+        loaded = load_model(model, dtype=key[1])
+        _LOADED[key] = (loaded, load_tokenizer(loaded.source, loaded.config.eos_token_ids))
+    loaded, tokenizer = _LOADED[key]
     return LLMEngine(loaded, tokenizer, config)
 
 

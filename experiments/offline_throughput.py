@@ -11,14 +11,15 @@ Systems, each timed after a warm-up (no compilation in the timed pass; the count
      set to the cores; the best configuration is HF's baseline;
   3. llama.cpp through llama-cpp-python on the shipped GGUF, one request at a time (its Python API
      decodes one sequence), when the package is installed.
-Every configuration runs `--repeats` times: the table gives the median and the range of output
-tokens/s. The roofline: each dtype's matmul peak measured on the model's own matmul shapes (best of
+llmjax's configurations run `--repeats` times; HF's grid is screened with one pass per configuration,
+then the fastest configuration of each dtype runs `--repeats` times in all (`--no-hf-screen`: every
+configuration `--repeats` times). The table gives the median and the range of output tokens/s. The roofline: each dtype's matmul peak measured on the model's own matmul shapes (best of
 several runs, XLA for llmjax and torch for HF), the achieved model FLOP/s of every system against
 its own precision's peak, and a steady 64-request decode step of llmjax against its peak.
 
 On a shared CPU absolute numbers move with the load; only ratios measured in the same run mean
 anything. The full grid on the default workload takes hours (HF alone: 2 dtypes x 5 batches x 2
-orders x 3 repeats): pick a subset with the flags, watch the progress bar's ETA.
+orders, screened): pick a subset with the flags, watch the progress bar's ETA.
 
     python experiments/offline_throughput.py [--workload default|equal] [--num-requests N]
         [--hf-dtypes float32,bfloat16] [--hf-batch-sizes 8,16,32,64,128] [--hf-orders arrival,sorted]
@@ -96,16 +97,22 @@ def matmul_peak(cfg, library: str, dtype: str, rows: int, repeats: int = 7) -> f
     """FLOP/s of the model's matmul mix at `rows` tokens (FLOP-weighted: total FLOPs / total best time).
 
     XLA ("xla"): float32 x float32, or bfloat16 x bfloat16 accumulated in float32 (llmjax's paths);
-    torch ("torch"): its matmul in `dtype` (HF's)."""
+    AMX ("amx", bfloat16 only): `llmjax.ops.amx_matmul` on pre-packed weights (llmjax's bfloat16
+    path on a CPU with AMX); torch ("torch"): its matmul in `dtype` (HF's)."""
     flops = seconds = 0.0
     for k, n, count in matmul_shapes(cfg):
-        if library == "xla":
+        if library in ("xla", "amx"):
             import jax
             import jax.numpy as jnp
 
             dt = jnp.dtype(dtype)
             a, b = jnp.ones((rows, k), dt), jnp.full((k, n), 0.01, dt)
             f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+            if library == "amx":
+                from llmjax.ops.amx_matmul import amx_matmul, pack_weight
+
+                b = jnp.asarray(pack_weight(np.asarray(b)))
+                f = jax.jit(lambda x, y, n=n: amx_matmul(x, y, n))
             best = _best_time(lambda: f(a, b).block_until_ready(), repeats)
         else:
             import torch
@@ -123,7 +130,7 @@ def parse_settings(text: str) -> dict:
     out = {}
     for item in filter(None, text.split(",")):
         key, value = item.split("=")
-        out[key] = int(value) if value.isdigit() else value
+        out[key] = int(value) if value.isdigit() else {"true": True, "false": False}.get(value.lower(), value)
     return out
 
 
@@ -258,6 +265,8 @@ def main() -> None:
     parser.add_argument("--hf-orders", default="arrival,sorted", help="arrival and/or sorted (by prompt length)")
     parser.add_argument("--llmjax-best", default=DEFAULT_BEST, help="EngineConfig fields of llmjax's best setting")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hf-screen", action=argparse.BooleanOptionalAction, default=True,
+                        help="one pass per HF configuration, then --repeats passes of each dtype's fastest")
     parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="llmjax's KV pool in both settings")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-name", default=None, help="results/<name>.md|json (default: offline_throughput, "
@@ -279,7 +288,10 @@ def main() -> None:
             systems.remove("llama.cpp")
     plan = [(s, None) for s in systems if s.startswith("llmjax")] + [("hf", c) for c in hf_grid]
     plan += [("llama.cpp", None)] if "llama.cpp" in systems else []
-    print(f"{n_req} requests, {total_out} output tokens; {len(plan)} configurations x {args.repeats} repeats")
+    hf_passes = (len(hf_grid) + (args.repeats - 1) * len({d for d, _, _ in hf_grid})) if args.hf_screen \
+        else len(hf_grid) * args.repeats
+    total_passes = (len(plan) - len(hf_grid)) * args.repeats + hf_passes
+    print(f"{n_req} requests, {total_out} output tokens; {len(plan)} configurations, {total_passes} timed passes")
 
     import jax
 
@@ -290,7 +302,17 @@ def main() -> None:
     runs: dict[str, dict] = {}
     hf_models = HFModels() if hf_grid else None
     reference_tokens: dict[str, list[list[int]]] = {}
-    bar = tqdm(total=len(plan) * args.repeats, desc="timed passes", unit="pass")
+    bar = tqdm(total=total_passes, desc="timed passes", unit="pass")
+
+    def hf_passes_of(name, dtype, batch, order, count):
+        for _ in range(count):
+            bar.set_postfix_str(name)
+            t = time.perf_counter()
+            tokens = hf_models.generate(dtype, batch, order, prompts, outputs)
+            runs[name]["times"].append(time.perf_counter() - t)
+            bar.update()
+        reference_tokens.setdefault(dtype, tokens)
+
     for system, conf in plan:
         if system.startswith("llmjax"):
             run = LLMJaxRun(llmjax_settings[system])
@@ -312,15 +334,8 @@ def main() -> None:
         elif system == "hf":
             dtype, batch, order = conf
             name = f"hf {dtype} batch {batch} {order}"
-            times = []
-            for _ in range(args.repeats):
-                bar.set_postfix_str(name)
-                t = time.perf_counter()
-                tokens = hf_models.generate(dtype, batch, order, prompts, outputs)
-                times.append(time.perf_counter() - t)
-                bar.update()
-            reference_tokens.setdefault(dtype, tokens)
-            runs[name] = dict(times=times, tokens=tokens, dtype=dtype, batch=batch, order=order)
+            runs[name] = dict(times=[], dtype=dtype, batch=batch, order=order)
+            hf_passes_of(name, dtype, batch, order, 1 if args.hf_screen else args.repeats)
         else:
             engine = LlamaCpp(max_len=1024)
             engine.generate(prompts[:2], [2, 2])  # warm-up
@@ -332,6 +347,11 @@ def main() -> None:
                 times.append(time.perf_counter() - t)
                 bar.update()
             runs["llama.cpp"] = dict(times=times, tokens=tokens, dtype="gguf (Q4_1/Q8_0)")
+    if args.hf_screen:  # the fastest configuration of each dtype: the rest of its passes
+        for dtype in {d for d, _, _ in hf_grid}:
+            name = min((k for k in runs if k.startswith(f"hf {dtype} ")), key=lambda k: runs[k]["times"][0])
+            r = runs[name]
+            hf_passes_of(name, dtype, r["batch"], r["order"], args.repeats - 1)
     bar.close()
 
     print("measuring matmul peaks on the model's shapes")
@@ -364,7 +384,7 @@ def summarize(args, runs, peaks, flops, total_out, n_req, hf_models, reference_t
               "llama.cpp": [k for k in runs if k == "llama.cpp"]}
     best = {g: min(ks, key=lambda k: med(runs[k])) for g, ks in groups.items() if ks}
     peers = [g for g in ("hf", "llama.cpp") if g in best]
-    head = "| system | dtype | output tok/s (median, range) | " + " | ".join(f"vs {p}'s best" for p in peers)
+    head = "| system | dtype | passes | output tok/s (median, range) | " + " | ".join(f"vs {p}'s best" for p in peers)
     head += " | model GFLOP/s | % of its precision's peak |"
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for name, r in sorted(runs.items(), key=lambda kv: med(kv[1])):
@@ -374,7 +394,8 @@ def summarize(args, runs, peaks, flops, total_out, n_req, hf_models, reference_t
         peak = peak_of(name, r)
         pct = f"{100 * achieved / peak:.0f}%" if peak else "n/a"
         mark = " **best**" if name in best.values() else ""
-        lines.append(f"| {name}{mark} | {r['dtype']} | {toks(med(r)):.1f} ({speeds[0]:.1f}-{speeds[-1]:.1f}) | "
+        lines.append(f"| {name}{mark} | {r['dtype']} | {len(r['times'])} | "
+                     f"{toks(med(r)):.1f} ({speeds[0]:.1f}-{speeds[-1]:.1f}) | "
                      f"{ratios} | {achieved / 1e9:.1f} | {pct} |")
     notes = [
         "",
@@ -408,6 +429,7 @@ def summarize(args, runs, peaks, flops, total_out, n_req, hf_models, reference_t
         "workload": args.workload, "num_requests": n_req, "output_tokens": total_out, "model_flops": flops,
         "repeats": args.repeats, "peaks_flops": peaks,
         "runs": {k: {kk: vv for kk, vv in r.items() if kk != "tokens"} for k, r in runs.items()},
+        "hf_screen": args.hf_screen,
         "best": best,
     }
     if "hf" in best and "llmjax" in best:  # the headline keys read by experiments/results_table.py

@@ -87,7 +87,8 @@ def run_hf(requests: list[TraceRequest], batch: int, dtype: str) -> Replay:
 
 
 def rungs(slots: int, paged_batch: int, chunk: int, kv_bytes: int, gpu: bool) -> dict[str, EngineConfig]:
-    """The engine rungs in order; the Pallas rung only with a GPU (before it, the pure-JAX attention)."""
+    """The engine rungs in order, the first five on the pure-JAX attention in float32; then, with a GPU,
+    the Pallas kernels; on CPU, the native decode attention, then bfloat16 mixed precision."""
     base = EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=1024, enable_chunked_prefill=False,
                         enable_prefix_caching=False, kv_cache_memory_bytes=kv_bytes, scheduling_policy="static",
                         batch_size=slots, max_num_seqs=slots, attention_backend="xla")
@@ -99,6 +100,10 @@ def rungs(slots: int, paged_batch: int, chunk: int, kv_bytes: int, gpu: bool) ->
               "4. + chunked prefill": chunked, "5. + prefix caching": cached}
     if gpu:
         ladder["6. + Pallas kernels"] = cached.replace(attention_backend="pallas")
+    else:
+        native = cached.replace(attention_backend="cpu")
+        ladder["6. + native CPU decode attention"] = native
+        ladder["7. + bfloat16 mixed precision"] = native.replace(dtype="bfloat16")
     return ladder
 
 
