@@ -186,15 +186,16 @@ def main() -> None:
         "![throughput ladder](synergy.png)", "",
         f"Workload: {args.requests} requests at t=0, prompts = one of {args.prefixes} shared {args.prefix_len}-token "
         f"system prompts + 8-40 unique tokens, {out_tokens} output tokens (log-normal, mean 40, cap 96); "
-        f"SmolLM2-135M float32 on this CPU, greedy, ignore_eos. KV budget: {args.slots} x {MAX_MODEL_LEN} "
+        f"SmolLM2-135M (float32 unless a rung says otherwise) on this CPU, greedy, ignore_eos. KV budget: {args.slots} x {MAX_MODEL_LEN} "
         f"(max_model_len) tokens, which a contiguous cache fills with {args.slots} requests and the paged "
         f"cache with {paged_batch} (average request {mean_len:.0f} tokens). Chunk budget {args.chunk} tokens. "
         f"Rung 1 emulates contiguous KV by capping the batch at {args.slots} (see the script's docstring). "
         f"HF runs {len(hf_subset)} of the {args.requests} requests (its TTFT: batch start + one per-token interval, "
         f"as `generate` returns only at the end), torch threads {torch.get_num_threads()}; its sweep (output tok/s): "
         + ", ".join(f"batch {r['batch']} {r['dtype']} {r['tokens_per_s']:.1f}" for r in sweep)
-        + f"; rung 0 is the fastest. Pallas kernels: "
-        + ("rung 6." if gpu else "not run (no GPU; rung 6 runs only on one)."), "",
+        + "; rung 0 is the fastest. Rungs 1-5 use the pure-JAX attention in float32; "
+        + ("rung 6 adds the Pallas kernels." if gpu else "rung 6 adds the native CPU decode attention, rung 7 "
+           "bfloat16 weights and KV cache (float32 accumulation); the Pallas rung runs only on a GPU."), "",
         table(rows, columns), "",
         f"Headline: the full engine serves {last['vs_hf']:.1f}x HF generate's output tokens/s "
         f"({last['tokens_per_s']:.0f} vs {rows[0]['tokens_per_s']:.0f} tok/s); scheduling and memory management "
