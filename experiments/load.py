@@ -55,7 +55,7 @@ from llmjax.serve.cluster import replica_pids
 from llmjax.serve.metrics import parse_metrics
 
 TINY_SERVER_ARGS = ["--block-size", "8", "--max-model-len", "128", "--kv-cache-memory", str(4 << 20),
-                    "--attention-backend", "xla", "--max-num-seqs", "32", "--max-num-batched-tokens", "64"]
+                    "--max-num-seqs", "32", "--max-num-batched-tokens", "64"]
 MODEL_NAME = "load-test"
 LETTERS = "abcdefghijklmnopqrstuvwxyz "
 REPLICAS = 2
