@@ -88,7 +88,7 @@ def run_hf(requests: list[TraceRequest], batch: int, dtype: str) -> Replay:
 
 def rungs(slots: int, paged_batch: int, chunk: int, kv_bytes: int, gpu: bool) -> dict[str, EngineConfig]:
     """The engine rungs in order, the first five on the pure-JAX attention in float32; then, with a GPU,
-    the Pallas kernels; on CPU, the native decode attention, then bfloat16 mixed precision."""
+    the Pallas kernels; on CPU, the native attention kernel, then bfloat16 mixed precision."""
     base = EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=1024, enable_chunked_prefill=False,
                         enable_prefix_caching=False, kv_cache_memory_bytes=kv_bytes, scheduling_policy="static",
                         batch_size=slots, max_num_seqs=slots, attention_backend="xla")
@@ -102,7 +102,7 @@ def rungs(slots: int, paged_batch: int, chunk: int, kv_bytes: int, gpu: bool) ->
         ladder["6. + Pallas kernels"] = cached.replace(attention_backend="pallas")
     else:
         native = cached.replace(attention_backend="cpu")
-        ladder["6. + native CPU decode attention"] = native
+        ladder["6. + native CPU attention"] = native
         ladder["7. + bfloat16 mixed precision"] = native.replace(dtype="bfloat16")
     return ladder
 
@@ -194,7 +194,7 @@ def main() -> None:
         f"as `generate` returns only at the end), torch threads {torch.get_num_threads()}; its sweep (output tok/s): "
         + ", ".join(f"batch {r['batch']} {r['dtype']} {r['tokens_per_s']:.1f}" for r in sweep)
         + "; rung 0 is the fastest. Rungs 1-5 use the pure-JAX attention in float32; "
-        + ("rung 6 adds the Pallas kernels." if gpu else "rung 6 adds the native CPU decode attention, rung 7 "
+        + ("rung 6 adds the Pallas kernels." if gpu else "rung 6 adds the native CPU attention kernel, rung 7 "
            "bfloat16 weights and KV cache (float32 accumulation); the Pallas rung runs only on a GPU."), "",
         table(rows, columns), "",
         f"Headline: the full engine serves {last['vs_hf']:.1f}x HF generate's output tokens/s "

@@ -36,7 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="static/dynamic batch size")
     parser.add_argument("--max-delay", type=float, default=d.max_delay, help="dynamic batching timeout (s)")
     parser.add_argument("--attention-backend", choices=BACKENDS, default=d.attention_backend,
-                        help="default: 'cpu' (the native decode kernel) on CPU when it compiles, else 'xla' "
+                        help="default: 'cpu' (the native attention kernel) on CPU when it compiles, else 'xla' "
                              "(see docs/architecture.md, 'Choosing an implementation')")
     parser.add_argument("--dtype", default=d.dtype, help="float32 (CPU default) or bfloat16 (GPU default)")
     parser.add_argument("--seed", type=int, default=d.seed)

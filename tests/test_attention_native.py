@@ -1,5 +1,6 @@
-"""The "cpu" attention backend: the native decode kernel against a naive NumPy reference and the
-pure-JAX path, its use inside the engine, and the loader's fallback when it cannot compile."""
+"""The "cpu" attention backend: the native kernel (decode rows and prefill tiles) against a naive
+NumPy reference and the pure-JAX path, its use inside the engine, and the loader's fallback when
+it cannot compile."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ from tests.engine_helpers import run_to_completion, tiny_engine
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=1e-2, atol=1e-2)}
 BLOCK = 16
 DECODE_CONTEXTS = [1, 15, 16, 17, 64, 65, 130, 300]  # block and 64-key chunk boundaries
-PREFILLS = [(5, 5), (20, 47), (1, 33), (9, 16)]  # (q_len, seq_len): whole prompts and chunks
+# (q_len, seq_len) of prefill requests. Their tiles hold 48 // G tokens (48, 16, 12 for G = 1, 3,
+# 4): several full tiles and a partial one, a single partial tile; prompts from position 0 and
+# chunks mid-context; contexts ending on and across block (16) and 64-key chunk boundaries.
+CHUNKS = [(50, 50), (37, 130), (16, 64), (13, 77), (1, 1), (49, 97), (20, 47), (9, 16)]
 
 
 @pytest.fixture
@@ -30,14 +34,18 @@ def kernel():
         pytest.skip("the native CPU attention kernel did not build here")
 
 
-def batch_of(rng, requests, *, num_padded=2, pad_tokens=3, max_blocks=24) -> Batch:
-    """A Batch of (q_len, seq_len) requests (decodes first), then padded (0, 0) requests;
-    shuffled, non-contiguous block ids, block 0 (the null block) never used."""
-    requests = list(requests) + [(0, 0)] * num_padded
+def batch_of(rng, requests, *, num_seqs=None, num_tokens=None, num_blocks=None,
+             max_blocks=24) -> Batch:
+    """A Batch of (q_len, seq_len) requests (decodes first), then padded (0, 0) requests up to
+    `num_seqs` (default: 2 of them), `num_tokens` tokens (default: 3 padded ones) and
+    `num_blocks` cache blocks (default: 3 spare); shuffled, non-contiguous block ids, block 0
+    (the null block) never used."""
+    requests = list(requests)
+    requests += [(0, 0)] * ((num_seqs or len(requests) + 2) - len(requests))
     q_lens = [q for q, _ in requests]
     seq_lens = [s for _, s in requests]
     need = [-(-s // BLOCK) for s in seq_lens]
-    num_blocks = sum(need) + 3
+    num_blocks = num_blocks or sum(need) + 3
     ids = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
     tables = np.zeros((len(requests), max_blocks), np.int32)
     used = 0
@@ -46,8 +54,8 @@ def batch_of(rng, requests, *, num_padded=2, pad_tokens=3, max_blocks=24) -> Bat
         used += n
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     num_decodes = next((i for i, q in enumerate(q_lens) if q != 1), len(q_lens))
-    return Batch(q_lens, seq_lens, num_decodes, int(qsl[-1]) + pad_tokens, BLOCK, max_blocks, qsl,
-                 np.asarray(seq_lens, np.int32), tables, num_blocks)
+    return Batch(q_lens, seq_lens, num_decodes, num_tokens or int(qsl[-1]) + 3, BLOCK, max_blocks,
+                 qsl, np.asarray(seq_lens, np.int32), tables, num_blocks)
 
 
 def inputs(rng, batch, *, num_kv_heads, group, head_dim, dtype, layers=2):
@@ -58,77 +66,84 @@ def inputs(rng, batch, *, num_kv_heads, group, head_dim, dtype, layers=2):
     return q, (k, v), stored
 
 
-@pytest.mark.usefixtures("kernel")
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("num_kv_heads,group", [(3, 3), (2, 1), (2, 4), (1, 4), (1, 1)])
-def test_decode_rows_match_reference(rng, num_kv_heads, group, dtype):
-    """The kernel alone: decode rows right, every other row (prefill, padding) exactly 0."""
-    contexts = [int(c) for c in rng.permutation(DECODE_CONTEXTS)]
-    batch = batch_of(rng, [(1, c) for c in contexts] + PREFILLS[:2])
-    q, (k, v), stored = inputs(rng, batch, num_kv_heads=num_kv_heads, group=group, head_dim=64,
-                               dtype=dtype)
-    f = jax.jit(functools.partial(cpu.paged_decode, sm_scale=0.125))
-    out = f(q, *stored, jnp.int32(1), *batch.args())
-    assert out.dtype == q.dtype
-    out = np.asarray(out, np.float64)
-    assert np.isfinite(out).all()
-    ref = naive_gqa(q, k, v, 1, batch, 0.125)
-    n = batch.num_decodes
-    np.testing.assert_allclose(out[:n], ref[:n], **TOL[dtype])
-    np.testing.assert_array_equal(out[n:], 0.0)
+def jitted(fn, **kwargs):
+    return jax.jit(functools.partial(fn, **kwargs))
 
 
 @pytest.mark.usefixtures("kernel")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("decode_only", [False, True])
-def test_backend_matches_reference(rng, dtype, decode_only):
-    """The backend function: decode rows from the kernel, prefill rows from the pure-JAX tiles."""
-    decodes = [(1, c) for c in rng.permutation(DECODE_CONTEXTS)[:5]]
-    batch = batch_of(rng, decodes if decode_only else decodes + PREFILLS)
+@pytest.mark.parametrize("num_kv_heads,group", [(3, 3), (2, 1), (2, 4), (1, 4)])
+def test_kernel_matches_xla(rng, num_kv_heads, group, dtype):
+    """Prefill tiles alone, then decodes with the same chunks (one compiled shape): every row
+    against the pure-JAX path; padded tokens exactly 0."""
+    assert cpu.native_supported(64, jnp.float32) and cpu.native_supported(64, BF16_BITS)
+    decodes = [(1, int(c)) for c in rng.permutation(DECODE_CONTEXTS)]
+    mixed = batch_of(rng, decodes + CHUNKS)
+    prefill = batch_of(rng, CHUNKS, num_seqs=len(mixed.q_lens), num_tokens=mixed.num_tokens,
+                       num_blocks=mixed.num_blocks)
+    ours = jitted(cpu.ragged_paged_attention, sm_scale=0.125)
+    oracle = jitted(xla.ragged_paged_attention, sm_scale=0.125)
+    for batch in (prefill, mixed):
+        q, _, stored = inputs(rng, batch, num_kv_heads=num_kv_heads, group=group, head_dim=64,
+                              dtype=dtype)
+        out = ours(q, *stored, jnp.int32(1), *batch.args())
+        assert out.dtype == q.dtype
+        assert_close(out, np.asarray(oracle(q, *stored, jnp.int32(1), *batch.args()), np.float64),
+                     batch, **TOL[dtype])
+        np.testing.assert_array_equal(np.asarray(out)[batch.query_start_loc[-1]:], 0.0)
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_only_matches_xla(rng, dtype):
+    """A decode-only step (`decode_only=True`: every request one token) on the decode path."""
+    batch = batch_of(rng, [(1, int(c)) for c in rng.permutation(DECODE_CONTEXTS)])
     q, (k, v), stored = inputs(rng, batch, num_kv_heads=3, group=3, head_dim=64, dtype=dtype)
-    f = jax.jit(functools.partial(cpu.ragged_paged_attention, sm_scale=0.125,
-                                  decode_only=decode_only))
-    out = f(q, *stored, jnp.int32(0), *batch.args())
-    assert out.dtype == q.dtype
+    out = jitted(cpu.ragged_paged_attention, sm_scale=0.125, decode_only=True)(
+        q, *stored, jnp.int32(0), *batch.args())
     assert_close(out, naive_gqa(q, k, v, 0, batch, 0.125), batch, **TOL[dtype])
-    oracle = jax.jit(functools.partial(xla.ragged_paged_attention, sm_scale=0.125,
-                                       decode_only=decode_only))
-    np.testing.assert_allclose(np.asarray(out, np.float32),
-                               np.asarray(oracle(q, *stored, jnp.int32(0), *batch.args()),
-                                          np.float32), **TOL[dtype])
+    oracle = jitted(xla.ragged_paged_attention, sm_scale=0.125, decode_only=True)
+    assert_close(out, np.asarray(oracle(q, *stored, jnp.int32(0), *batch.args()), np.float64),
+                 batch, **TOL[dtype])
 
 
 @pytest.mark.usefixtures("kernel")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_layer_traced_inside_scan(rng, dtype):
-    """The model's use: lax.scan over layers, the layer index traced."""
-    batch = batch_of(rng, [(1, 40), (1, 17), (1, 1)] + PREFILLS[1:2])
+    """The model's use: lax.scan over layers, the layer index traced; decodes and chunks."""
+    batch = batch_of(rng, [(1, 40), (1, 17), (1, 1)] + CHUNKS[1:4])
     q, (k, v), stored = inputs(rng, batch, num_kv_heads=2, group=2, head_dim=32, dtype=dtype,
                                layers=3)
 
-    @jax.jit
-    def all_layers(q, k, v, args):
-        def body(_, layer):
-            return None, cpu.ragged_paged_attention(q, k, v, layer, *args, sm_scale=0.25)
-        return jax.lax.scan(body, None, jnp.arange(3, dtype=jnp.int32))[1]
+    def all_layers(attention):
+        def run(q, k, v, args):
+            def body(_, layer):
+                return None, attention(q, k, v, layer, *args, sm_scale=0.25)
+            return jax.lax.scan(body, None, jnp.arange(3, dtype=jnp.int32))[1]
+        return jax.jit(run)(q, *stored, batch.args())
 
-    outs = all_layers(q, *stored, batch.args())
+    outs = all_layers(cpu.ragged_paged_attention)
+    oracle = np.asarray(all_layers(xla.ragged_paged_attention), np.float64)
     for layer in range(3):
         assert_close(outs[layer], naive_gqa(q, k, v, layer, batch, 0.25), batch, **TOL[dtype])
+        assert_close(outs[layer], oracle[layer], batch, **TOL[dtype])
 
 
 @pytest.mark.usefixtures("kernel")
-def test_cache_is_read_in_place():
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_cache_is_read_in_place(decode_only):
     """The cache, a scan carry updated every layer, is handed to the kernel without a copy."""
     layers, blocks = 3, 64
     cache = jnp.zeros((layers, blocks, BLOCK, 2, 32), BF16_BITS)
     q = jnp.zeros((8, 4, 32), jnp.bfloat16)
-    args = (jnp.array([0, 1, 2]), jnp.array([5, 9]), jnp.ones((2, 4), jnp.int32), jnp.int32(2))
+    args = (jnp.array([0, 1, 4]), jnp.array([5, 9]), jnp.ones((2, 4), jnp.int32),
+            jnp.int32(2 if decode_only else 1))
 
     def step(q, k, v):
         def body(carry, layer):
             k, v = (c.at[layer, 1, 0].set(jnp.ones((2, 32), BF16_BITS)) for c in carry)
-            out = cpu.ragged_paged_attention(q, k, v, layer, *args, sm_scale=0.25, decode_only=True)
+            out = cpu.ragged_paged_attention(q, k, v, layer, *args, sm_scale=0.25,
+                                             decode_only=decode_only)
             return (k, v), out
         return jax.lax.scan(body, (k, v), jnp.arange(layers, dtype=jnp.int32))
 
@@ -140,22 +155,27 @@ def test_cache_is_read_in_place():
 
 
 @pytest.mark.usefixtures("kernel")
-def test_unsupported_head_dim_uses_the_pure_jax_decode(rng):
-    batch = batch_of(rng, [(1, 20), (1, 3)])
+def test_unsupported_head_dim_uses_the_pure_jax_path(rng):
+    batch = batch_of(rng, [(1, 20), (1, 3), (7, 30)])
     q, (k, v), stored = inputs(rng, batch, num_kv_heads=1, group=2, head_dim=16, dtype=jnp.float32)
-    assert not cpu.native_decode_supported(16, jnp.float32)
-    out = jax.jit(functools.partial(cpu.ragged_paged_attention, sm_scale=0.25))(
-        q, *stored, jnp.int32(0), *batch.args())
+    assert not cpu.native_supported(16, jnp.float32)
+    out = jitted(cpu.ragged_paged_attention, sm_scale=0.25)(q, *stored, jnp.int32(0), *batch.args())
     assert_close(out, naive_gqa(q, k, v, 0, batch, 0.25), batch, **TOL[jnp.float32])
 
 
 @pytest.mark.usefixtures("kernel")
-def test_out_of_range_block_id_is_an_error(rng):
-    batch = batch_of(rng, [(1, 20)], num_padded=0)
+@pytest.mark.parametrize("request_,error", [((1, 20), "block id out of range"),
+                                            ((5, 20), "block id out of range"),
+                                            ((5, 4), r"seq_lens\[0\] out of range")])
+def test_bad_inputs_are_errors(rng, request_, error):
+    """An out-of-range block id (decode or prefill request), a prefill context shorter than
+    its new tokens."""
+    batch = batch_of(rng, [request_], num_seqs=1)
     q, _, stored = inputs(rng, batch, num_kv_heads=1, group=1, head_dim=32, dtype=jnp.float32)
     batch.block_tables[0, 1] = batch.num_blocks  # one past the last block
-    with pytest.raises(Exception, match="block id out of range"):
-        jax.block_until_ready(cpu.paged_decode(q, *stored, jnp.int32(0), *batch.args(), sm_scale=1.0))
+    with pytest.raises(Exception, match=error):
+        jax.block_until_ready(cpu.paged_attention(q, *stored, jnp.int32(0), *batch.args(),
+                                                  sm_scale=1.0))
 
 
 @pytest.mark.usefixtures("kernel")

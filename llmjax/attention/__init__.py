@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache: a pure-JAX path (`xla`), a native CPU decode kernel (`cpu`)
+"""Attention over the paged KV cache: a pure-JAX path (`xla`), a native CPU kernel (`cpu`)
 and Pallas kernels."""
 
 from llmjax.attention.backend import BACKENDS, AttentionBackend, get_attention_backend

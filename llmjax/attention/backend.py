@@ -4,7 +4,7 @@ The model calls `backend.ragged_paged_attention(...)` and
 `backend.mla_ragged_paged_attention(...)` with the signatures of `llmjax.attention.xla`
 (from inside `lax.scan` over layers, inside `jax.jit`); `sm_scale` must be a Python float.
 
-On CPU the default is "cpu" (decode rows through the native kernel, `llmjax.attention.cpu`)
+On CPU the default is "cpu" (every row through the native kernel, `llmjax.attention.cpu`)
 when `native.available()` (a C++ compiler built it), else "xla". Elsewhere the default is
 "xla", a GPU included, until `experiments/gpu_check.py` has passed on a GPU with the running
 JAX version: the Pallas kernels are tested in interpret mode and lowered for CUDA on CPU, but

@@ -1,10 +1,10 @@
-"""The "cpu" attention backend: decode rows through the native kernel, the rest as `xla`.
+"""The "cpu" attention backend: every row through the native kernel where it applies, else `xla`.
 
 `ragged_paged_attention` has the signature and contract of `xla.ragged_paged_attention`
-(docs/architecture.md, "Attention over the paged cache"). Its decode rows are computed by
-`paged_decode` (`cpu_kernels/paged_decode.cc` through `jax.ffi`), which reads the cache in its
-storage dtype in place, when `native_decode_supported` (head dim a multiple of 32, a float32 or
-uint16-as-bfloat16 cache); otherwise, and for prefill tiles always, by the pure-JAX passes.
+(docs/architecture.md, "Attention over the paged cache"). When `native_supported` (head dim a
+multiple of 32, a float32 or uint16-as-bfloat16 cache) it is `paged_attention`
+(`cpu_kernels/paged_decode.cc` through `jax.ffi`: decode rows and prefill tiles, the cache read
+in its storage dtype in place); otherwise it is the pure-JAX `xla.ragged_paged_attention`.
 The backend requires `native.available()`. MLA has no native kernel: the backend uses xla's.
 """
 
@@ -22,18 +22,17 @@ from llmjax.attention.cache_dtype import BF16_BITS
 _STORAGE = (jnp.dtype(jnp.float32), jnp.dtype(BF16_BITS))
 
 
-def native_decode_supported(head_dim: int, cache_dtype) -> bool:
-    """Whether `paged_decode` handles this head dim and cache storage dtype."""
+def native_supported(head_dim: int, cache_dtype) -> bool:
+    """Whether `paged_attention` handles this head dim and cache storage dtype."""
     return head_dim % 32 == 0 and jnp.dtype(cache_dtype) in _STORAGE
 
 
-def paged_decode(q, k_cache, v_cache, layer, query_start_loc, seq_lens, block_tables,
-                 num_decodes, *, sm_scale, decode_only=False):
-    """The decode rows of `xla.ragged_paged_attention` (q [T, H, D] -> [T, H, D] in q's dtype,
-    the other rows 0): request i with q_len > 0 and (i < num_decodes or decode_only).
+def paged_attention(q, k_cache, v_cache, layer, query_start_loc, seq_lens, block_tables,
+                    num_decodes, *, sm_scale, decode_only=False):
+    """`xla.ragged_paged_attention` in the native kernel: q [T, H, D] -> [T, H, D] in q's dtype.
 
-    k_cache, v_cache: [L, num_blocks, bs, Hkv, D] in a dtype `native_decode_supported` accepts;
-    the other operands int32 as in xla. q is widened to float32; math is float32. CPU platform
+    k_cache, v_cache: [L, num_blocks, bs, Hkv, D] in a dtype `native_supported` accepts; the
+    other operands int32 as in xla. q is widened to float32; math is float32. CPU platform
     only; RuntimeError when `native.available()` is False.
     """
     if not native.available():
@@ -48,8 +47,8 @@ def paged_decode(q, k_cache, v_cache, layer, query_start_loc, seq_lens, block_ta
 
 def ragged_paged_attention(q, k_cache, v_cache, layer, query_start_loc, seq_lens, block_tables,
                            num_decodes, *, sm_scale, decode_only=False):
-    """`xla.ragged_paged_attention` with its decode rows from `paged_decode` where supported."""
-    rows = paged_decode if native_decode_supported(q.shape[-1], k_cache.dtype) else None
-    return xla.ragged_paged_attention(q, k_cache, v_cache, layer, query_start_loc, seq_lens,
-                                      block_tables, num_decodes, sm_scale=sm_scale,
-                                      decode_only=decode_only, decode_rows=rows)
+    """`paged_attention` where `native_supported`, else `xla.ragged_paged_attention`."""
+    native_ok = native_supported(q.shape[-1], k_cache.dtype)
+    attend = paged_attention if native_ok else xla.ragged_paged_attention
+    return attend(q, k_cache, v_cache, layer, query_start_loc, seq_lens, block_tables,
+                  num_decodes, sm_scale=sm_scale, decode_only=decode_only)

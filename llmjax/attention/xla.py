@@ -1,5 +1,5 @@
-"""Pure-JAX attention over the paged KV cache: the kernels' oracle; on CPU the prefill tiles
-(and everything, without a C++ compiler for the native decode kernel).
+"""Pure-JAX attention over the paged KV cache: the kernels' oracle, and the "cpu" backend's
+fallback where its native kernel does not apply (`llmjax.attention.cpu`).
 
 Both functions follow the contract in docs/architecture.md ("Attention over the paged
 cache"). Design: every query row carries its request index and its position. Rows are
@@ -14,8 +14,7 @@ group granularity).
   requests `i < num_decodes` (every request when `decode_only`). Groups of
   `DECODE_GROUP` rows, chunks of `DECODE_KV_CHUNK` keys: a group's gathered chunk
   (`DECODE_GROUP * DECODE_KV_CHUNK * Hkv * D` of K and of V) stays in the CPU caches
-  between the gather and its use. `decode_rows=` replaces this pass (the "cpu" backend's
-  native kernel, `llmjax.attention.cpu`).
+  between the gather and its use.
 - Prefill rows: the new tokens of requests `i >= num_decodes`, cut into query tiles of
   `q_tile = min(Q_TILE, T)` tokens, `TILE_GROUP` tiles per group, chunks of `KV_CHUNK`
   keys. The static tile arrays hold the worst case
@@ -42,7 +41,6 @@ Padded requests and padded tokens produce zeros.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import jax
@@ -61,23 +59,15 @@ _HI = lax.Precision.HIGHEST
 
 # load(block_ids [N, nb]) -> (key parts, each [N, nb*bs, Hkv, Dk_i]; values [N, nb*bs, Hkv, Dv])
 Loader = Callable[[jax.Array], tuple[tuple[jax.Array, ...], jax.Array]]
-# decode_rows(q, k_cache, v_cache, layer, query_start_loc, seq_lens, block_tables, num_decodes,
-#             *, sm_scale, decode_only) -> [T, H, D]: the decode rows, zeros elsewhere
-DecodeRows = Callable[..., jax.Array]
 
 
 def ragged_paged_attention(q, k_cache, v_cache, layer, query_start_loc, seq_lens,
-                           block_tables, num_decodes, *, sm_scale, decode_only=False,
-                           decode_rows: DecodeRows | None = None):
+                           block_tables, num_decodes, *, sm_scale, decode_only=False):
     """Causal attention of the flat new tokens over the paged GQA cache.
 
     q: [T, H, D]; k_cache, v_cache: [L, num_blocks, bs, Hkv, D]; layer: int32 scalar;
     query_start_loc: [S+1]; seq_lens: [S]; block_tables: [S, B]; num_decodes: int32
     scalar. H must be a multiple of Hkv. Returns [T, H, D] in q's dtype.
-
-    decode_rows: computes the decode rows in place of the pure-JAX decode pass (the "cpu"
-    backend's native kernel); called with this function's arguments (sm_scale and decode_only
-    by keyword), it returns [T, H, D] in q's dtype, the decode rows set and every other row 0.
     """
 
     def load(block_ids):
@@ -86,12 +76,9 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, query_start_loc, seq_lens
         v = v_cache[layer, block_ids]
         return (k.reshape(n, -1, *k.shape[3:]),), v.reshape(n, -1, *v.shape[3:])
 
-    decode = None if decode_rows is None else functools.partial(
-        decode_rows, q, k_cache, v_cache, layer, query_start_loc, seq_lens, block_tables,
-        num_decodes, sm_scale=sm_scale, decode_only=decode_only)
     return _ragged_attention((q,), load, k_cache.shape[3], k_cache.shape[2], q.shape[-1],
                              query_start_loc, seq_lens, block_tables, num_decodes,
-                             sm_scale=sm_scale, decode_only=decode_only, decode=decode)
+                             sm_scale=sm_scale, decode_only=decode_only)
 
 
 def mla_ragged_paged_attention(q_latent, q_rope, latent_cache, layer, query_start_loc,
@@ -119,15 +106,13 @@ def mla_ragged_paged_attention(q_latent, q_rope, latent_cache, layer, query_star
 
 def _ragged_attention(q_parts, load: Loader, num_kv_heads, block_size, out_dim,
                       query_start_loc, seq_lens, block_tables, num_decodes, *,
-                      sm_scale, decode_only, decode: Callable[[], jax.Array] | None = None):
-    """Decode rows, then (unless `decode_only`) prefill tiles; scattered into [T, H, Dv].
-
-    `decode()`, when given, returns the decode rows (zeros elsewhere) instead of the
-    pure-JAX decode pass."""
+                      sm_scale, decode_only):
+    """Decode rows, then (unless `decode_only`) prefill tiles; scattered into [T, H, Dv]."""
     num_tokens, num_heads = q_parts[0].shape[:2]
     num_seqs = seq_lens.shape[0]
     starts = query_start_loc[:-1]
     q_lens = query_start_loc[1:] - starts
+    out = jnp.zeros((num_tokens, num_heads, out_dim), q_parts[0].dtype)
 
     seq_ids = jnp.arange(num_seqs, dtype=jnp.int32)
     is_decode = q_lens > 0
@@ -136,13 +121,9 @@ def _ragged_attention(q_parts, load: Loader, num_kv_heads, block_size, out_dim,
     tok = jnp.where(is_decode, starts, num_tokens)[:, None]  # [S, 1]; T = dropped
     pos = jnp.where(is_decode, seq_lens - 1, -1)[:, None]
     last = jnp.max(jnp.where(is_decode, seq_ids + 1, 0))  # rows past the last decode: skipped
-    if decode is None:
-        out = jnp.zeros((num_tokens, num_heads, out_dim), q_parts[0].dtype)
-        out = _attend_rows(out, q_parts, load, num_kv_heads, block_size, seq_ids, tok, pos,
-                           seq_lens, block_tables, sm_scale, num_rows=last,
-                           group_rows=DECODE_GROUP, kv_chunk=DECODE_KV_CHUNK)
-    else:
-        out = decode()
+    out = _attend_rows(out, q_parts, load, num_kv_heads, block_size, seq_ids, tok, pos,
+                       seq_lens, block_tables, sm_scale, num_rows=last,
+                       group_rows=DECODE_GROUP, kv_chunk=DECODE_KV_CHUNK)
     if decode_only:
         return out
 

@@ -1,4 +1,4 @@
-// Decode attention over the paged KV cache for XLA:CPU, called through the XLA FFI.
+// Attention over the paged KV cache for XLA:CPU, called through the XLA FFI.
 //
 // Handler `LlmjaxPagedDecode` (registered by llmjax/attention/native.py), operands:
 //   q               f32 [T, H, D], D a multiple of 32
@@ -11,23 +11,37 @@
 //   num_decodes     s32 []
 // attributes: sm_scale (f32), decode_only (bool); result: f32 [T, H, D].
 //
-// Decode rows: request i with q_len_i > 0 and (i < num_decodes or decode_only); by the
-// caller's contract its one new token is q[query_start_loc[i]], at position seq_lens[i] - 1.
-// Its row of the result is the softmax(q.k * sm_scale)-weighted sum of v over positions
-// [0, seq_lens[i]), query head h reading KV head h / (H / Hkv). Every other row is 0.
+// Every row of `llmjax.attention.xla.ragged_paged_attention`: request i's new tokens are
+// q[query_start_loc[i] + j], j < q_len_i, at positions seq_lens[i] - q_len_i + j; each attends
+// with softmax(q.k * sm_scale) to the positions up to its own, query head h reading KV head
+// h / (H / Hkv). Decode requests (i < num_decodes, or all when decode_only) have one token:
+// only q[query_start_loc[i]] is computed. Rows of no request are 0; a request's tokens at flat
+// index >= T are dropped. The cache is read in place; slots past a context are never read.
+// Math is float32 in 16-lane vectors (GNU vector extensions: AVX-512 registers with
+// -march=native on x86, narrower ones elsewhere). Work items, run by the calling thread and
+// XLA's intra-op thread pool off one atomic counter: the prefill tiles (longest context
+// first), then the decode rows.
 //
-// The cache is read in place, along the block table in chunks of kChunk keys (the next chunk
-// prefetched meanwhile), with an online softmax per head: each context slot's K and V rows
-// come from memory once (a KV head's G query heads reuse them from the CPU caches); slots
-// past the context are never read. Math is float32 in 16-lane vectors (GNU
-// vector extensions: AVX-512 registers with -march=native on x86, narrower ones elsewhere).
-// Values are handled 32 at a time ("pairs" of vectors): float32 as two consecutive vectors;
-// bfloat16 as one 64-byte load split into its even and odd elements by a shift and a mask
-// (exact), q and the accumulators being kept in that same order. Scores: per key, lane-wise
-// partial sums of q.k; 16 keys' partials are summed at once by a transposing tree of pairwise
-// shuffles. Work items are (decode row, range of KV heads), run by the calling thread and
-// XLA's intra-op thread pool. An out-of-range layer, block id or context length, or a head dim
-// that is not a multiple of 32, is an InvalidArgument error (nothing is read).
+// Decode rows: along the block table in chunks of kChunk keys (the next chunk prefetched
+// meanwhile), with an online softmax per head: each context slot's K and V rows come from
+// memory once (a KV head's G query heads reuse them from the CPU caches). Values are handled
+// 32 at a time ("pairs" of vectors): float32 as two consecutive vectors; bfloat16 as one
+// 64-byte load split into its even and odd elements by a shift and a mask (exact), q and the
+// accumulators being kept in that same order. Scores: per key, lane-wise partial sums of q.k;
+// 16 keys' partials are summed at once by a transposing tree of pairwise shuffles. A work item
+// is a decode row and a range of its KV heads (split when rows are few).
+//
+// Prefill rows: a work item is a tile (a request's consecutive new tokens, about kTileRows /
+// G of them) and one KV head: its rows (token, query head of the group) attend together, rows
+// in vector lanes, so the tile shares each key and value it loads and its softmax needs no
+// reduction across lanes. Per chunk of kChunk keys (chunks past the tile's last position are
+// skipped; the last one stops there): the chunk's K and V rows are widened to float32 in
+// scratch; scores^T [keys, rows] = K q^T and acc^T [D, rows] += V^T p^T are register-blocked
+// products (MulBlock); masking (key position > row position) and the online softmax run
+// lane-wise. Scratch per thread: about (2 * D + kChunk) * kTileRows + 2 * kChunk * D floats.
+//
+// An out-of-range layer, block id or context length (a prefill request's below its q_len), or
+// a head dim that is not a multiple of 32, is an InvalidArgument error (nothing is read).
 
 #include <algorithm>
 #include <atomic>
@@ -37,6 +51,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -364,6 +379,169 @@ void AttendRow(const float* q_row, const T* k, const T* v, const int32_t* table,
   }
 }
 
+constexpr int64_t kTileRows = 48;  // rows (tokens x group) a prefill tile aims for
+constexpr int64_t kBlock = 8;      // output rows of one MulBlock (keys, or value dims)
+constexpr int64_t kMaxVecs = 3;    // row vectors of one MulBlock (kBlock * kMaxVecs registers)
+
+// 64-byte aligned float scratch that only grows; Get(n): n floats, contents unspecified.
+class Floats {
+ public:
+  float* Get(int64_t n) {
+    if (n > size_) {
+      data_.reset(new (std::align_val_t(64)) float[n]);
+      size_ = n;
+    }
+    return data_.get();
+  }
+
+ private:
+  struct Free {
+    void operator()(float* p) const { ::operator delete[](p, std::align_val_t(64)); }
+  };
+  std::unique_ptr<float[], Free> data_;
+  int64_t size_ = 0;
+};
+
+// d stored values (d a multiple of kLanes) widened to float32.
+inline void Widen(const float* src, int64_t d, float* dst) {
+  std::memcpy(dst, src, d * sizeof(float));
+}
+
+inline void Widen(const uint16_t* src, int64_t d, float* dst) {
+  typedef uint16_t Halves __attribute__((vector_size(kLanes * 2)));
+  for (int64_t c = 0; c < d; c += kLanes) {
+    Halves h;
+    std::memcpy(&h, src + c, sizeof h);
+    Store(dst + c, AsFloats(__builtin_convertvector(h, Bits) << 16));
+  }
+}
+
+// For i < kBlock and the kVecs vectors of 16 rows at a + v * kLanes (row k of a at a + k *
+// stride), with out's row i at out + i * stride:
+//   out[i][v] = (scale ? out[i][v] * scale[v] : 0) + sum_{k < depth} b[i * bi + k * bk] * a[k][v]
+// (b's elements broadcast to all lanes, the kBlock x kVecs sums held in registers).
+template <int64_t kVecs>
+void MulBlock(const float* a, const float* b, int64_t bi, int64_t bk, int64_t depth,
+              int64_t stride, const float* scale, float* out) {
+  Vec acc[kBlock][kVecs];
+  for (int64_t i = 0; i < kBlock; ++i) {
+    for (int64_t v = 0; v < kVecs; ++v) {
+      acc[i][v] = scale ? Load(out + i * stride + v * kLanes) * Load(scale + v * kLanes) : Vec{};
+    }
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    Vec x[kVecs];
+    for (int64_t v = 0; v < kVecs; ++v) x[v] = Load(a + k * stride + v * kLanes);
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const float w = b[i * bi + k * bk];
+      for (int64_t v = 0; v < kVecs; ++v) acc[i][v] += w * x[v];
+    }
+  }
+  for (int64_t i = 0; i < kBlock; ++i) {
+    for (int64_t v = 0; v < kVecs; ++v) Store(out + i * stride + v * kLanes, acc[i][v]);
+  }
+}
+
+// MulBlock over all `stride` rows (stride / kLanes vectors, kMaxVecs at a time) and outputs
+// i < count (a multiple of kBlock); scale, when given, holds one factor per row.
+void MulRows(const float* a, const float* b, int64_t bi, int64_t bk, int64_t depth,
+             int64_t stride, int64_t count, const float* scale, float* out) {
+  for (int64_t r = 0; r < stride; r += kMaxVecs * kLanes) {
+    const int64_t vecs = std::min(kMaxVecs, (stride - r) / kLanes);
+    const auto mul = vecs == 1 ? MulBlock<1> : vecs == 2 ? MulBlock<2> : MulBlock<3>;
+    for (int64_t i = 0; i < count; i += kBlock) {
+      mul(a + r, b + i * bi, bi, bk, depth, stride, scale ? scale + r : nullptr,
+          out + i * stride + r);
+    }
+  }
+}
+
+// Online-softmax step of `stride` rows (whole vectors) over a chunk of n keys at positions
+// c0 + j: s[j * stride + r], row r's score of key j, becomes its weight (0 where the key is
+// past the row's position pos[r]); updates the running max m and sum l, and sets alpha to
+// the factor each row's accumulators are rescaled by.
+void SoftmaxRows(float* s, int64_t n, int64_t stride, int64_t c0, const float* pos, float* m,
+                 float* l, float* alpha) {
+  for (int64_t r = 0; r < stride; r += kLanes) {
+    const Vec p = Load(pos + r), m_old = Load(m + r);
+    Vec m_new = m_old;
+    for (int64_t j = 0; j < n; ++j) {
+      const Vec x = Load(s + j * stride + r);
+      m_new = (p >= static_cast<float>(c0 + j)) & (x > m_new) ? x : m_new;
+    }
+    Vec sum = {};
+    for (int64_t j = 0; j < n; ++j) {
+      const Vec e = p >= static_cast<float>(c0 + j)
+                        ? ExpNonPositive(Load(s + j * stride + r) - m_new) : Vec{};
+      Store(s + j * stride + r, e);
+      sum += e;
+    }
+    const Vec a = ExpNonPositive(m_old - m_new);
+    Store(l + r, Load(l + r) * a + sum);
+    Store(m + r, m_new);
+    Store(alpha + r, a);
+  }
+}
+
+// Per-thread scratch of a prefill tile with `stride` rows: q^T and acc^T [D, stride], scores
+// [kChunk, stride], the chunk's keys and values [kChunk, D] in float32; per row: position
+// (float, -1 for padding rows), m, l, alpha.
+struct TileScratch {
+  Floats qt, acc, scores, keys, values, pos, m, l, alpha;
+};
+
+// A prefill work item's tokens: `count` new tokens of request `req` from flat token `token0`,
+// at positions pos0, pos0 + 1, ...
+struct Tile {
+  int64_t req, token0, pos0, count;
+};
+
+// One tile, KV head kh: row r is token r / G of the tile with query head kh * G + r % G; rows
+// are padded to whole vectors. q [T, H, D] -> out [T, H, D] (the tile's rows only). k, v: one
+// layer [num_blocks, bs, Hkv, D]; table: the request's block ids.
+template <typename T>
+void AttendTile(const float* q, const T* k, const T* v, const int32_t* table, const Tile& t,
+                int64_t kh, int64_t num_heads, float sm_scale, const Geometry& g,
+                TileScratch& sc, float* out) {
+  const int64_t d = g.head_dim, gs = g.group, rows = t.count * gs;
+  const int64_t stride = RoundUp(rows, kLanes), slot = g.kv_heads * d;
+  float *qt = sc.qt.Get(d * stride), *acc = sc.acc.Get(d * stride);
+  float *s = sc.scores.Get(kChunk * stride), *keys = sc.keys.Get(kChunk * d);
+  float *values = sc.values.Get(kChunk * d), *pos = sc.pos.Get(stride), *m = sc.m.Get(stride);
+  float *l = sc.l.Get(stride), *alpha = sc.alpha.Get(stride);
+  std::fill(qt, qt + d * stride, 0.f);
+  std::fill(acc, acc + d * stride, 0.f);
+  std::fill(pos, pos + stride, -1.f);
+  std::fill(m, m + stride, -1e30f);
+  std::fill(l, l + stride, 0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = q + ((t.token0 + r / gs) * num_heads + kh * gs + r % gs) * d;
+    for (int64_t i = 0; i < d; ++i) qt[i * stride + r] = src[i] * sm_scale;
+    pos[r] = static_cast<float>(t.pos0 + r / gs);
+  }
+  const int64_t end = t.pos0 + t.count;  // keys past the tile's last position: never visible
+  for (int64_t c0 = 0; c0 < end; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, end - c0), padded = RoundUp(n, kBlock);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t p = c0 + j;
+      const int64_t offset =
+          (static_cast<int64_t>(table[p / g.block_size]) * g.block_size + p % g.block_size) *
+              slot + kh * d;
+      Widen(k + offset, d, keys + j * d);
+      Widen(v + offset, d, values + j * d);
+    }
+    std::fill(keys + n * d, keys + padded * d, 0.f);
+    MulRows(qt, keys, d, 1, d, stride, padded, nullptr, s);       // s [padded, stride]
+    SoftmaxRows(s, n, stride, c0, pos, m, l, alpha);
+    MulRows(s, values, 1, d, n, stride, d, alpha, acc);           // acc [d, stride]
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    float* dst = out + ((t.token0 + r / gs) * num_heads + kh * gs + r % gs) * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = acc[i * stride + r] * inv;
+  }
+}
+
 // Claims items from a shared counter until none is left; `done` counts finished items.
 // Shared with pool tasks that may start after the handler returned (they then find no item
 // and touch nothing else), hence owned by a shared_ptr.
@@ -390,19 +568,31 @@ struct WorkQueue {
   }
 };
 
+// The work items: tiles[i / Hkv] with KV head i % Hkv for i < tiles.size() * Hkv, then the
+// decode rows (each split into `splits` ranges of KV heads).
 template <typename T>
-void RunDecodeRows(ffi::ThreadPool& pool, const float* q, const T* k, const T* v,
-                   const std::vector<int64_t>& rows, const int32_t* qsl, const int32_t* seq_lens,
-                   const int32_t* tables, int64_t num_heads, float sm_scale, const Geometry& g,
-                   float* out) {
+void Run(ffi::ThreadPool& pool, const float* q, const T* k, const T* v,
+         const std::vector<Tile>& tiles, const std::vector<int64_t>& rows, const int32_t* qsl,
+         const int32_t* seq_lens, const int32_t* tables, int64_t num_heads, float sm_scale,
+         const Geometry& g, float* out) {
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
   const int64_t num_rows = static_cast<int64_t>(rows.size());
+  const int64_t tile_items = static_cast<int64_t>(tiles.size()) * g.kv_heads;
   // Few rows: split each row's KV heads too, so every thread gets work.
-  const int64_t splits = std::clamp<int64_t>((2 * workers + num_rows - 1) / num_rows, 1, g.kv_heads);
+  const int64_t splits =
+      num_rows ? std::clamp<int64_t>((2 * workers + num_rows - 1) / num_rows, 1, g.kv_heads) : 1;
   auto queue = std::make_shared<WorkQueue>();
-  queue->size = num_rows * splits;
-  queue->run = [&, splits](int64_t item) {
+  queue->size = tile_items + num_rows * splits;
+  queue->run = [&, splits, tile_items](int64_t item) {
+    if (item < tile_items) {
+      thread_local TileScratch scratch;
+      const Tile& t = tiles[item / g.kv_heads];
+      AttendTile(q, k, v, tables + t.req * g.max_blocks, t, item % g.kv_heads, num_heads,
+                 sm_scale, g, scratch, out);
+      return;
+    }
     thread_local Scratch<T> scratch;
+    item -= tile_items;
     const int64_t i = rows[item / splits], part = item % splits;
     const int64_t h0 = g.kv_heads * part / splits, h1 = g.kv_heads * (part + 1) / splits;
     const int64_t row_elems = num_heads * g.head_dim;
@@ -418,10 +608,10 @@ void RunDecodeRows(ffi::ThreadPool& pool, const float* q, const T* k, const T* v
   queue->Wait();
 }
 
-ffi::Error PagedDecode(ffi::ThreadPool pool, F32R3 q, ffi::AnyBuffer k_cache,
-                       ffi::AnyBuffer v_cache, S32R0 layer, S32R1 query_start_loc,
-                       S32R1 seq_lens, S32R2 block_tables, S32R0 num_decodes, float sm_scale,
-                       bool decode_only, ffi::Result<F32R3> out) {
+ffi::Error PagedAttention(ffi::ThreadPool pool, F32R3 q, ffi::AnyBuffer k_cache,
+                          ffi::AnyBuffer v_cache, S32R0 layer, S32R1 query_start_loc,
+                          S32R1 seq_lens, S32R2 block_tables, S32R0 num_decodes, float sm_scale,
+                          bool decode_only, ffi::Result<F32R3> out) {
   const auto qd = q.dimensions(), cd = k_cache.dimensions(), td = block_tables.dimensions();
   const auto dtype = k_cache.element_type();
   if (cd.size() != 5 || !(v_cache.dimensions() == cd) || v_cache.element_type() != dtype) {
@@ -446,12 +636,16 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, F32R3 q, ffi::AnyBuffer k_cache,
   const int32_t* lens = seq_lens.typed_data();
   const int32_t* tables = block_tables.typed_data();
   const int32_t decodes = *num_decodes.typed_data();
+  const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / g.group);
   std::vector<int64_t> rows;
+  std::vector<Tile> tiles;
   for (int64_t i = 0; i < num_seqs; ++i) {
-    if (qsl[i + 1] - qsl[i] <= 0 || !(decode_only || i < decodes)) continue;
+    const int64_t q_len = qsl[i + 1] - qsl[i];
+    if (q_len <= 0) continue;
     if (qsl[i] < 0) return ffi::Error::InvalidArgument("negative query_start_loc");
-    if (qsl[i] >= num_tokens) continue;  // a token past q: dropped, as the pure-JAX path does
-    if (lens[i] < 0 || lens[i] > g.max_blocks * g.block_size) {
+    if (qsl[i] >= num_tokens) continue;  // tokens past q: dropped, as the pure-JAX path does
+    const bool decode = decode_only || i < decodes;
+    if (lens[i] < (decode ? 0 : q_len) || lens[i] > g.max_blocks * g.block_size) {
       return ffi::Error::InvalidArgument("seq_lens[" + std::to_string(i) + "] out of range");
     }
     for (int64_t b = 0; b * g.block_size < lens[i]; ++b) {
@@ -461,28 +655,39 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, F32R3 q, ffi::AnyBuffer k_cache,
                                            std::to_string(i) + "]");
       }
     }
-    if (lens[i] > 0) rows.push_back(i);
+    if (decode) {
+      if (lens[i] > 0) rows.push_back(i);
+      continue;
+    }
+    const int64_t count = std::min(q_len, num_tokens - qsl[i]);
+    for (int64_t j = 0; j < count; j += tile_tokens) {
+      tiles.push_back({i, qsl[i] + j, lens[i] - q_len + j, std::min(tile_tokens, count - j)});
+    }
   }
+  // Longest context first, so that the last items to start are short.
+  std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) {
+    return a.pos0 + a.count > b.pos0 + b.count;
+  });
 
   float* o = out->typed_data();
   std::fill(o, o + out->element_count(), 0.f);
-  if (rows.empty()) return ffi::Error::Success();
+  if (rows.empty() && tiles.empty()) return ffi::Error::Success();
   const int64_t layer_elems = cd[1] * cd[2] * cd[3] * cd[4];
   if (dtype == ffi::DataType::F32) {
     const float* k = static_cast<const float*>(k_cache.untyped_data()) + l * layer_elems;
     const float* v = static_cast<const float*>(v_cache.untyped_data()) + l * layer_elems;
-    RunDecodeRows(pool, q.typed_data(), k, v, rows, qsl, lens, tables, num_heads, sm_scale, g, o);
+    Run(pool, q.typed_data(), k, v, tiles, rows, qsl, lens, tables, num_heads, sm_scale, g, o);
   } else {
     const uint16_t* k = static_cast<const uint16_t*>(k_cache.untyped_data()) + l * layer_elems;
     const uint16_t* v = static_cast<const uint16_t*>(v_cache.untyped_data()) + l * layer_elems;
-    RunDecodeRows(pool, q.typed_data(), k, v, rows, qsl, lens, tables, num_heads, sm_scale, g, o);
+    Run(pool, q.typed_data(), k, v, tiles, rows, qsl, lens, tables, num_heads, sm_scale, g, o);
   }
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxPagedDecode, PagedDecode,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LlmjaxPagedDecode, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<F32R3>()           // q
