@@ -1,17 +1,24 @@
-"""Build, load and register the native CPU attention kernel (`cpu_kernels/paged_decode.cc`).
+"""Build, load and register native CPU kernels (C++ sources with XLA FFI handlers).
 
-The kernel is compiled on first use with the system C++ compiler (`$CXX`, else the first of
+A kernel is a `NativeKernel`: one C++17 source, its compiler flags, the FFI targets it
+registers (target name -> handler symbol) and optionally an init symbol (`int f(void)`, run once
+after loading; non-zero means the kernel cannot run on this machine). The attention kernel
+(`cpu_kernels/paged_decode.cc`) is `PAGED_DECODE`; this module's `TARGET`, `SOURCE`, `FLAGS`,
+`build()` and `available()` are about it.
+
+A source is compiled on first use with the system C++ compiler (`$CXX`, else the first of
 g++, c++, clang++ on PATH) into a cache directory (`$LLMJAX_NATIVE_CACHE`, default
 `~/.cache/llmjax/native/`), one shared library per hash of the source, the flags, the compiler's
 version, the CPU (model and feature flags: `-march=native`) and the jaxlib whose FFI headers it
 includes. The library is written to a temporary file and renamed into place, so processes
 compiling at once (test workers, server replicas) never load a partial file.
 
-`available()` compiles (if needed), loads the library with ctypes and registers its handler as
-the XLA FFI target `TARGET` on the CPU platform, once per process. It returns False, with one
-logged warning saying why, when there is no compiler or compilation fails; callers then use the
-pure-JAX path. Its result is cached; threads racing on the first call may each build (safe, see
-above) and register (the same handler again: harmless).
+`load(kernel)` compiles (if needed), loads the library with ctypes, runs its init symbol and
+registers its handlers as XLA FFI targets on the CPU platform. It returns False, with one logged
+warning saying why, when there is no compiler, compilation fails or the init symbol refuses;
+callers then use their pure-JAX path. Callers cache its result (`available()` does, once per
+process); threads racing on the first call may each build (safe, see above) and register (the
+same handler again: harmless).
 """
 
 from __future__ import annotations
@@ -25,19 +32,41 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-TARGET = "llmjax_paged_decode"  # the FFI target name (see paged_decode.cc for its operands)
-SOURCE = Path(__file__).parent / "cpu_kernels" / "paged_decode.cc"
-_SYMBOL = "LlmjaxPagedDecode"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
 _COMPILERS = ("g++", "c++", "clang++")
 
 
 class BuildError(RuntimeError):
-    """No C++ compiler, or the kernel did not compile."""
+    """No C++ compiler, or the kernel did not compile, load or initialise."""
+
+
+@dataclass(frozen=True)
+class NativeKernel:
+    """One C++ source and how to build and register it.
+
+    `targets`: (FFI target name, handler symbol) pairs; `flags`: the full compiler flags;
+    `init`: the symbol of an `int init(void)` run once after loading (0: ready; otherwise the
+    kernel is unavailable, `init_errors` giving the reason for each code); `label` names the
+    kernel in messages, `fallback` what callers use without it."""
+
+    source: Path
+    targets: tuple[tuple[str, str], ...]
+    flags: tuple[str, ...] = FLAGS
+    init: str | None = None
+    init_errors: tuple[tuple[int, str], ...] = ()
+    label: str = "native CPU kernel"
+    fallback: str = "the pure-JAX path"
+
+
+TARGET = "llmjax_paged_decode"  # the FFI target name (see paged_decode.cc for its operands)
+SOURCE = Path(__file__).parent / "cpu_kernels" / "paged_decode.cc"
+PAGED_DECODE = NativeKernel(SOURCE, ((TARGET, "LlmjaxPagedDecode"),),
+                            label="native CPU attention kernel")
 
 
 def cache_dir() -> Path:
@@ -64,10 +93,10 @@ def _cpu_identity() -> str:
     return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in keys}))
 
 
-def build(directory: Path | None = None) -> Path:
-    """The compiled library for this source, compiler, CPU and jaxlib (compiling it if needed).
-
-    Raises BuildError when there is no compiler or it fails (with the compiler's output)."""
+def build_library(kernel: NativeKernel, directory: Path | None = None) -> Path:
+    """The compiled library for `kernel`'s source and flags, this compiler, CPU and jaxlib
+    (compiling it if needed). Raises BuildError when there is no compiler or it fails (with the
+    compiler's output)."""
     import jax
     import jaxlib
 
@@ -78,45 +107,64 @@ def build(directory: Path | None = None) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise BuildError(f"{compiler} --version failed: {e}") from e
     include = jax.ffi.include_dir()
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_identity(),
-                                    jaxlib.__version__]).encode()).hexdigest()[:20]
+    source = kernel.source
+    key = hashlib.sha256("\0".join([source.read_text(), " ".join(kernel.flags), version,
+                                    _cpu_identity(), jaxlib.__version__]).encode()).hexdigest()[:20]
     directory = directory or cache_dir()
-    target = directory / f"paged_decode-{key}.so"
+    target = directory / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
-    print("compiling the native CPU attention kernel", file=sys.stderr, flush=True)
+    print(f"compiling the {kernel.label}", file=sys.stderr, flush=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=target.stem + ".", suffix=".tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp],
+        proc = subprocess.run([compiler, *kernel.flags, f"-I{include}", str(source), "-o", tmp],
                               capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise BuildError(f"{compiler} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as e:
-        raise BuildError(f"compiling {SOURCE.name} failed: {e}") from e
+        raise BuildError(f"compiling {source.name} failed: {e}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
 
 
+def build(directory: Path | None = None) -> Path:
+    """The compiled attention kernel library (`build_library(PAGED_DECODE, directory)`)."""
+    return build_library(PAGED_DECODE, directory)
+
+
 @functools.cache
-def _register(path: Path) -> None:
+def _register(kernel: NativeKernel, path: Path) -> None:
     import jax
 
     library = ctypes.cdll.LoadLibrary(str(path))
-    handler = getattr(library, _SYMBOL)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    if kernel.init is not None:
+        init = getattr(library, kernel.init)
+        init.restype = ctypes.c_int
+        code = init()
+        if code != 0:
+            reason = dict(kernel.init_errors).get(code, f"code {code}")
+            raise BuildError(f"{kernel.init} refused: {reason}")
+    for target, symbol in kernel.targets:
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                    platform="cpu")
+
+
+def load(kernel: NativeKernel) -> bool:
+    """Whether `kernel` is compiled, loaded, initialised and registered (see the module docstring)."""
+    try:
+        _register(kernel, build_library(kernel))
+    except (BuildError, OSError, AttributeError) as e:
+        log.warning("%s unavailable, using %s: %s", kernel.label, kernel.fallback, e)
+        return False
+    return True
 
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel is compiled, loaded and registered (see the module docstring)."""
-    try:
-        _register(build())
-    except (BuildError, OSError, AttributeError) as e:
-        log.warning("native CPU attention kernel unavailable, using the pure-JAX path: %s", e)
-        return False
-    return True
+    """Whether the attention kernel is compiled, loaded and registered (see the module docstring)."""
+    return load(PAGED_DECODE)

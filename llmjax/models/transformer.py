@@ -4,7 +4,9 @@ Mixed precision: parameters in the model dtype (float32 or bfloat16), the residu
 logits in float32, every matmul accumulating in float32 (see `layers.py`).
 
 Layer parameters are stacked along a leading `num_layers` axis (created with `nnx.vmap`), so
-compile time does not grow with depth. Two entry points share every layer:
+compile time does not grow with depth. `pack_linear_weights` packs a bfloat16 model's linear
+kernels for the AMX matmul (`llmjax.ops.amx_matmul`) at load time. Two entry points share
+every layer:
 
 - `__call__(tokens [B, T])` -> logits `[B, T, V]`: dense causal forward (tests, training).
 - `forward_paged(cache, step, backend)` -> (logits `[S, V]` at `step.logits_indices`, cache):
@@ -21,7 +23,8 @@ from flax import nnx
 from llmjax.attention.cache_dtype import storage_dtype, to_storage, to_values
 from llmjax.config import ModelConfig
 from llmjax.models.attention import AttentionContext, Cache, DenseContext, GQAAttention, MLAAttention, PagedContext
-from llmjax.models.layers import MLP, RMSNorm, linear
+from llmjax.models.layers import MLP, LayerKernel, Linear, RMSNorm, linear
+from llmjax.ops.amx_matmul import PACKED_NDIM, pack_weight
 from llmjax.step_input import StepInput
 
 
@@ -60,13 +63,14 @@ class Transformer(nnx.Module):
             self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
 
     def _run_layers(self, x, positions, ctx: AttentionContext, cache: Cache):
-        graphdef, state = nnx.split(self.layers)
+        graphdef, packed, state = nnx.split(self.layers, _is_packed_stack, ...)
 
         def body(carry, xs):
             h, c = carry
             layer_state, layer_idx = xs
             layer_state = jax.tree.map(to_values, layer_state)  # uint16-stored bfloat16: one layer's bitcast
-            h, c = nnx.merge(graphdef, layer_state)(h, positions, ctx, layer_idx, c)
+            kernels = jax.tree.map(lambda stack: LayerKernel(stack, layer_idx), packed)  # read in place
+            h, c = nnx.merge(graphdef, layer_state, kernels)(h, positions, ctx, layer_idx, c)
             return (h, c), None
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
@@ -75,7 +79,7 @@ class Transformer(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """LM head (tied to the embedding when the config says so); float32 logits."""
-        if self.config.tie_word_embeddings:
+        if not hasattr(self, "lm_head"):  # tied; a tied model packed for AMX has a packed copy
             w = self.embed_tokens.embedding[...]
             return jnp.einsum("...d,vd->...v", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
         return self.lm_head(hidden)
@@ -126,3 +130,33 @@ def store_layer_weights(state, platform: str | None = None):
         return to_storage(leaf, stored)
 
     return jax.tree_util.tree_map_with_path(store, state)
+
+
+def _is_packed_stack(path, variable) -> bool:
+    """Whether a layer-stack variable is a stack of AMX-packed kernels (`pack_linear_weights`)."""
+    return variable.get_value().ndim == PACKED_NDIM + 1
+
+
+_READ_AS_MATRIX = ("kv_b_proj",)  # MLA's kernel that is read as a matrix, never called as a layer
+
+
+def pack_linear_weights(graphdef: nnx.GraphDef, state) -> tuple[nnx.GraphDef, nnx.State]:
+    """The bfloat16 model with every `Linear` kernel packed for AMX
+    (`llmjax.ops.amx_matmul.pack_weight`), except MLA's `kv_b_proj`. The layers' stacked
+    `[L, K, N]` kernels become `[L, ...]` stacks of packed ones, which the layer scan hands to
+    the kernel whole with the layer index (`LayerKernel`: no per-layer copy). A tied model also
+    gets an `lm_head` holding the packed transposed embedding (the embedding itself stays, for
+    the lookup). Numpy parameters stay numpy. Call before `store_layer_weights` (the packed
+    stacks are then held as uint16 bits too, which the kernel reads as they are); only where
+    `amx_matmul.enabled(bfloat16)`."""
+    model = nnx.merge(graphdef, state)
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, Linear) and path[-1] not in _READ_AS_MATRIX:
+            module.kernel = nnx.Param(pack_weight(module.kernel[...]))
+    if not hasattr(model, "lm_head"):
+        cfg = model.config
+        head = nnx.eval_shape(lambda: linear(cfg.hidden_size, cfg.vocab_size, bias=False,
+                                             dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+        head.kernel = nnx.Param(pack_weight(np.asarray(model.embed_tokens.embedding[...]).T))
+        model.lm_head = head
+    return nnx.split(model)
