@@ -32,7 +32,8 @@ import numpy as np
 
 from llmjax import parallel
 from llmjax.cpu_flags import apply_cpu_flags
-from llmjax.config import EngineConfig
+from llmjax.attention.cache_dtype import value_dtype
+from llmjax.config import ConfigError, EngineConfig
 from llmjax.kv.manager import KVCacheManager
 from llmjax.kv.sizing import device_memory_stats, kv_budget_bytes, num_blocks_from_budget
 from llmjax.models.loader import LoadedModel, default_dtype, load_model
@@ -89,7 +90,10 @@ class LLMEngine:
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(model.config.eos_token_ids) | tokenizer.eos_token_ids
-        weights_dtype = jax.tree.leaves(model.params)[0].dtype
+        weights_dtype = value_dtype(jax.tree.leaves(model.params)[0].dtype)
+        if config.dtype is not None and jnp.dtype(config.dtype) != weights_dtype:
+            raise ConfigError(f"EngineConfig.dtype is {config.dtype} but the model was loaded in {weights_dtype}: "
+                              f"load it with load_model(..., dtype={config.dtype!r}) or use LLMEngine.from_config")
         kv_dtype = jnp.dtype(config.kv_cache_dtype) if config.kv_cache_dtype else jnp.dtype(weights_dtype)
         budget = config.kv_cache_memory_bytes
         if budget is None and device_memory_stats() is not None:  # an accelerator: vLLM's rule

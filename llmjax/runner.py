@@ -75,8 +75,9 @@ _STEP_FUNCTIONS: dict[tuple, tuple] = {}
 
 
 def _make_step_function(graphdef, backend, block_size: int, layout: parallel.Layout | None, max_num_seqs: int):
-    """The jitted step for one model structure (and mesh); shared by runners of equal structure (so
-    tests and experiments that build several engines compile each bucket once per process).
+    """The jitted step for one model structure (config, parameter tree, shapes and dtypes) and mesh;
+    shared by runners of equal structure (so tests and experiments that build several engines
+    compile each bucket once per process).
     With a `layout` the step is partitioned over its mesh, attention runs per device, and the
     shardings of every input and output are fixed, so they never trigger a recompilation.
     Returns (jitted function, a one-element list counting traces = compilations)."""
@@ -186,8 +187,9 @@ class ModelRunner:
         self.time_prepare = 0.0  # host: building inputs and dispatching
         self.time_device = 0.0  # host waiting for the device in `fetch`
         mesh = None if self.layout is None else self.layout.mesh
-        key = (model.config, str(jax.tree.leaves(model.params)[0].dtype), self.backend.name, self.block_size, mesh,
-               config.max_num_seqs)
+        structure = (str(jax.tree.structure(model.params)),
+                     tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(model.params)))  # e.g. packed or not
+        key = (model.config, structure, self.backend.name, self.block_size, mesh, config.max_num_seqs)
         if key not in _STEP_FUNCTIONS:
             _STEP_FUNCTIONS[key] = _make_step_function(model.graphdef, self.backend, self.block_size, self.layout,
                                                        config.max_num_seqs)

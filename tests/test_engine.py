@@ -141,3 +141,16 @@ def test_second_run_compiles_nothing():
     second = run_to_completion(engine, PROMPTS)
     assert engine.runner.num_compiles == compiles
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
+
+
+def test_config_dtype_must_match_the_loaded_model():
+    from llmjax.config import ConfigError, EngineConfig
+    from llmjax.engine import LLMEngine
+    from llmjax.models.loader import load_model
+    from llmjax.tokenizer import load_tokenizer
+
+    loaded = load_model("tiny-gqa", dtype=np.float32)
+    tokenizer = load_tokenizer(loaded.source, loaded.config.eos_token_ids)
+    with pytest.raises(ConfigError, match="bfloat16"):
+        LLMEngine(loaded, tokenizer, EngineConfig(dtype="bfloat16", max_num_batched_tokens=64, max_num_seqs=8,
+                                                  kv_cache_memory_bytes=2 << 20))
