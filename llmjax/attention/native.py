@@ -9,8 +9,8 @@ after loading; non-zero means the kernel cannot run on this machine). The attent
 A source is compiled on first use with the system C++ compiler (`$CXX`, else the first of
 g++, c++, clang++ on PATH) into a cache directory (`$LLMJAX_NATIVE_CACHE`, default
 `~/.cache/llmjax/native/`), one shared library per hash of the source, the flags, the compiler's
-version, the CPU (model and feature flags: `-march=native`) and the jaxlib whose FFI headers it
-includes. The library is written to a temporary file and renamed into place, so processes
+version, the CPU (model and feature flags: `-march=native`), the shared headers (`INCLUDE_DIR`)
+and the jaxlib whose FFI headers it includes. The library is written to a temporary file and renamed into place, so processes
 compiling at once (test workers, server replicas) never load a partial file.
 
 `load(kernel)` compiles (if needed), loads the library with ctypes, runs its init symbol and
@@ -38,6 +38,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
+# Headers shared by the kernels (`#include "work_items.h"`); part of every build's hash.
+INCLUDE_DIR = Path(__file__).parents[1] / "cpu_include"
 _COMPILERS = ("g++", "c++", "clang++")
 
 
@@ -108,7 +110,8 @@ def build_library(kernel: NativeKernel, directory: Path | None = None) -> Path:
         raise BuildError(f"{compiler} --version failed: {e}") from e
     include = jax.ffi.include_dir()
     source = kernel.source
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(kernel.flags), version,
+    headers = [h.read_text() for h in sorted(INCLUDE_DIR.glob("*.h"))]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(kernel.flags), version,
                                     _cpu_identity(), jaxlib.__version__]).encode()).hexdigest()[:20]
     directory = directory or cache_dir()
     target = directory / f"{source.stem}-{key}.so"
@@ -119,7 +122,7 @@ def build_library(kernel: NativeKernel, directory: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=target.stem + ".", suffix=".tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *kernel.flags, f"-I{include}", str(source), "-o", tmp],
+        proc = subprocess.run([compiler, *kernel.flags, f"-I{INCLUDE_DIR}", f"-I{include}", str(source), "-o", tmp],
                               capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise BuildError(f"{compiler} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -44,17 +44,13 @@
 // a head dim that is not a multiple of 32, is an InvalidArgument error (nothing is read).
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <memory>
-#include <mutex>
 #include <new>
 #include <string>
 #include <vector>
 
+#include "work_items.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -542,32 +538,6 @@ void AttendTile(const float* q, const T* k, const T* v, const int32_t* table, co
   }
 }
 
-// Claims items from a shared counter until none is left; `done` counts finished items.
-// Shared with pool tasks that may start after the handler returned (they then find no item
-// and touch nothing else), hence owned by a shared_ptr.
-struct WorkQueue {
-  int64_t size = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable all_done;
-  std::function<void(int64_t)> run;
-
-  void Drain() {
-    for (int64_t i; (i = next.fetch_add(1)) < size;) {
-      run(i);
-      if (done.fetch_add(1) + 1 == size) {
-        std::lock_guard<std::mutex> lock(mu);
-        all_done.notify_all();
-      }
-    }
-  }
-  void Wait() {
-    std::unique_lock<std::mutex> lock(mu);
-    all_done.wait(lock, [this] { return done.load() == size; });
-  }
-};
-
 // The work items: tiles[i / Hkv] with KV head i % Hkv for i < tiles.size() * Hkv, then the
 // decode rows (each split into `splits` ranges of KV heads).
 template <typename T>
@@ -581,9 +551,7 @@ void Run(ffi::ThreadPool& pool, const float* q, const T* k, const T* v,
   // Few rows: split each row's KV heads too, so every thread gets work.
   const int64_t splits =
       num_rows ? std::clamp<int64_t>((2 * workers + num_rows - 1) / num_rows, 1, g.kv_heads) : 1;
-  auto queue = std::make_shared<WorkQueue>();
-  queue->size = tile_items + num_rows * splits;
-  queue->run = [&, splits, tile_items](int64_t item) {
+  const auto run = [&, splits, tile_items](int64_t item, int64_t /*following*/) {
     if (item < tile_items) {
       thread_local TileScratch scratch;
       const Tile& t = tiles[item / g.kv_heads];
@@ -602,10 +570,7 @@ void Run(ffi::ThreadPool& pool, const float* q, const T* k, const T* v,
     attend(q + qsl[i] * row_elems, k, v, tables + i * g.max_blocks, seq_lens[i], h0, h1,
            sm_scale, g, scratch, out + qsl[i] * row_elems);
   };
-  const int64_t helpers = std::min(workers, queue->size) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([queue] { queue->Drain(); });
-  queue->Drain();
-  queue->Wait();
+  llmjax::RunItems(pool, tile_items + num_rows * splits, run);
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, F32R3 q, ffi::AnyBuffer k_cache,

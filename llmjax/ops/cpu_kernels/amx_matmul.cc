@@ -38,15 +38,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cpuid.h>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <memory>
-#include <mutex>
 #include <vector>
 
+#include "work_items.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -229,42 +226,6 @@ void Columns(const Problem& p, int64_t nb0, int64_t nb1, int64_t m_begin, int64_
   }
 }
 
-// Items [0, size) claimed from `next` by every thread that drains, one ahead: `run(item,
-// following)`, `following` being the thread's next item or -1. The handler waits on `done`.
-// Pool tasks may start after the handler returned: they then claim nothing and touch only
-// this object, which they share (shared_ptr).
-struct Items {
-  int64_t size = 0;
-  std::function<void(int64_t, int64_t)> run;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable finished;
-
-  void Drain() {
-    bool configured = false;
-    for (int64_t i = next.fetch_add(1), following; i < size; i = following) {
-      following = next.fetch_add(1);
-      if (!configured) {
-        static const TileConfig config;
-        _tile_loadconfig(&config);
-        configured = true;
-      }
-      run(i, following < size ? following : -1);
-      if (done.fetch_add(1) + 1 == size) {
-        std::lock_guard<std::mutex> lock(mu);
-        finished.notify_all();
-      }
-    }
-    if (configured) _tile_release();
-  }
-
-  void Wait() {
-    std::unique_lock<std::mutex> lock(mu);
-    finished.wait(lock, [this] { return done.load() == size; });
-  }
-};
-
 ffi::Error AmxMatmul(ffi::ThreadPool pool, Bf16R2 x, ffi::AnyBuffer w, S32R0 layer,
                      ffi::Result<F32R2> y) {
   if (!amx_ready.load()) {
@@ -303,20 +264,18 @@ ffi::Error AmxMatmul(ffi::ThreadPool pool, Bf16R2 x, ffi::AnyBuffer w, S32R0 lay
   const int64_t weight_elems = n_blocks * k_blocks * 2 * kTileElems;
   const Problem p{rows, last, kp, static_cast<const uint16_t*>(w.untyped_data()) + l * weight_elems,
                   y->typed_data(), m, n, k_blocks};
-  auto items = std::make_shared<Items>();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t group = std::clamp<int64_t>(n_blocks / (4 * threads), 1, kPageBlocks);
   const int64_t groups = (n_blocks + group - 1) / group;
-  items->size = (m + kChunkRows - 1) / kChunkRows * groups;
-  items->run = [&p, group, groups, n_blocks](int64_t item, int64_t following) {
+  const auto run = [&p, group, groups, n_blocks](int64_t item, int64_t following) {
     const int64_t m_begin = item / groups * kChunkRows, nb0 = item % groups * group;
     Columns(p, nb0, std::min(nb0 + group, n_blocks), m_begin, std::min(m_begin + kChunkRows, p.m),
             following < 0 ? -1 : following % groups * group);
   };
-  const int64_t helpers = std::min(threads, items->size) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([items] { items->Drain(); });
-  items->Drain();
-  items->Wait();
+  // Each thread configures its AMX tiles before its first item and releases them after its last.
+  static const TileConfig config;
+  llmjax::RunItems(pool, (m + kChunkRows - 1) / kChunkRows * groups, run, /*claim_ahead=*/true,
+                   [] { _tile_loadconfig(&config); }, [] { _tile_release(); });
   return ffi::Error::Success();
 }
 
