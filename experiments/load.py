@@ -420,7 +420,13 @@ def main() -> None:
     data = {"args": vars(args), "ok": ok, "requests": dict(stats["requests"]), "failures": stats["failures"],
             "interrupted": stats["interrupted"], "bad_errors": stats["bad_errors"], "replicas_after": states,
             "health": health, "killed_at_s": killed[0] if killed else None, "restarted": restarted,
-            "ttft_ms": percentiles(stats["ttft"]), "e2e_ms": percentiles(stats["e2e"]), "elapsed_s": elapsed}
+            "ttft_ms": percentiles(stats["ttft"]), "e2e_ms": percentiles(stats["e2e"]), "elapsed_s": elapsed,
+            # the headline's counts (experiments/results_table.py)
+            "replicas": REPLICAS, "total_requests": sum(stats["requests"].values()),
+            "poison_requests": stats["requests"]["poison"], "num_failures": len(stats["failures"]),
+            "num_bad_errors": len(stats["bad_errors"]), "num_interrupted": len(stats["interrupted"]),
+            "leaked_replicas": sum(1 for s in states if s["running"] or s["waiting"] or s["kv_usage"]
+                                   or s["kv_invariants"] != 200)}
     write_results(out, "load", "# Load test\n\n" + text, data)
     print(text)
     if not ok:

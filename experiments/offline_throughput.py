@@ -295,6 +295,7 @@ def main() -> None:
 
     import jax
 
+    from llmjax.attention.cache_dtype import value_dtype
     from llmjax.models.loader import load_model
 
     cfg = load_model(None).config
@@ -311,7 +312,8 @@ def main() -> None:
             tokens = hf_models.generate(dtype, batch, order, prompts, outputs)
             runs[name]["times"].append(time.perf_counter() - t)
             bar.update()
-        reference_tokens.setdefault(dtype, tokens)
+        if count:
+            reference_tokens.setdefault(dtype, tokens)
 
     for system, conf in plan:
         if system.startswith("llmjax"):
@@ -325,7 +327,7 @@ def main() -> None:
                 times.append(seconds)
                 compiles += c
                 bar.update()
-            dtype = str(jax.tree.leaves(run.engine.runner.params)[0].dtype)
+            dtype = str(value_dtype(jax.tree.leaves(run.engine.runner.params)[0].dtype))
             decode_flops, decode_s = run.decode_step_flops()
             runs[system] = dict(times=times, tokens=tokens, compiles=compiles, dtype=dtype,
                                 settings={k: v for k, v in run.settings.items()},
@@ -440,7 +442,10 @@ def summarize(args, runs, peaks, flops, total_out, n_req, hf_models, reference_t
             hf_by_batch[b] = min(hf_by_batch.get(b, float("inf")), med(runs[k]))
         ref = reference_tokens.get(ours["dtype"])
         peak = peak_of(best["llmjax"], ours)
-        data.update(llmjax_s=med(ours), hf_s=hf_by_batch, achieved_flops=flops / med(ours), peak_flops=peak,
+        hf_best = runs[best["hf"]]
+        data.update(llmjax_s=med(ours), llmjax_dtype=ours["dtype"], hf_s=hf_by_batch,
+                    hf_best={k: hf_best[k] for k in ("dtype", "batch", "order")},
+                    achieved_flops=flops / med(ours), peak_flops=peak,
                     ratio_ceiling=med(runs[best["hf"]]) / (flops / peak),
                     identical=sum(a == b for a, b in zip(ours["tokens"], ref)) if ref else None)
     return "\n".join(lines + notes) + "\n", data

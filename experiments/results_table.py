@@ -66,13 +66,16 @@ Formatter = Callable[[dict, Numbers], str]
 
 # --- one formatter per experiment ----------------------------------------------------------------------
 def offline_throughput(d: dict, n: Numbers) -> str:
-    hf = d["hf_s"]
-    best = min(hf, key=hf.get)
-    return (f"SmolLM2 on this CPU, {n(d['output_tokens'], 'd')} output tokens: {n.ratio(hf[best], d['llmjax_s'])}x "
-            f"the output tokens/s of HF `generate` at its best static batch ({n(float(best), '.0f')} of "
-            f"{' / '.join(n(float(b), '.0f') for b in hf)}), greedy outputs identical for {n(d['identical'], 'd')} "
-            f"requests; {n.ratio(d['achieved_flops'], d['peak_flops'], '.0%')} of the measured float32 matmul peak, "
-            f"where full use of it would allow at most {n(d['ratio_ceiling'], '.1f')}x over HF on this machine")
+    hf, best = d["hf_s"], d["hf_best"]
+    same = (f", greedy outputs identical to HF {d['llmjax_dtype']} for {n(d['identical'], 'd')} of "
+            f"{n(d['num_requests'], 'd')} requests" if d.get("identical") is not None else "")
+    return (f"SmolLM2 on this CPU, {d['workload']} workload ({n(d['num_requests'], 'd')} requests, "
+            f"{n(d['output_tokens'], 'd')} output tokens): llmjax in {d['llmjax_dtype']} "
+            f"{n.ratio(hf[str(best['batch'])], d['llmjax_s'])}x the output tokens/s of HF `generate` at its best "
+            f"({best['dtype']}, batch {n(best['batch'], 'd')} of {' / '.join(n(float(b), '.0f') for b in hf)}, "
+            f"{best['order']} order){same}; {n.ratio(d['achieved_flops'], d['peak_flops'], '.0%')} of the measured "
+            f"{d['llmjax_dtype']} matmul peak, where full use of it would allow at most "
+            f"{n(d['ratio_ceiling'], '.1f')}x over HF on this machine")
 
 
 def memory_waste(d: dict, n: Numbers) -> str:
@@ -144,8 +147,13 @@ def routing(d: dict, n: Numbers) -> str:
 
 
 def load(d: dict, n: Numbers) -> str:
-    keys = [k for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    return ", ".join(f"{k} {n(d[k], 'g')}" for k in keys[:6])
+    return (f"{n(d['total_requests'], 'd')} requests ({n(d['poison_requests'], 'd')} poison) through the router to "
+            f"{n(d['replicas'], 'd')} replicas, one killed with SIGKILL mid-run: {n(d['num_failures'], 'd')} valid "
+            f"requests failed, {n(d['num_bad_errors'], 'd')} poison requests answered wrongly, "
+            f"{n(d['num_interrupted'], 'd')} started streams cut by the kill, killed replica "
+            f"{'restarted' if d['restarted'] else 'NOT restarted'}, {n(d['leaked_replicas'], 'd')} replicas left with "
+            f"requests or KV blocks; /health p99 {n(d['health']['p99_ms'], '.1f')} ms with "
+            f"{n(d['health']['non_200'], 'd')} non-200 answers")
 
 
 def kv_bookkeeping(d: dict, n: Numbers) -> str:
@@ -216,6 +224,8 @@ def synergy(d: dict, n: Numbers) -> str:
 # (README label, JSON path under the repository, formatter)
 ROWS: list[tuple[str, str, Formatter]] = [
     ("[offline_throughput](results/offline_throughput.md)", "results/offline_throughput.json", offline_throughput),
+    ("[offline_throughput, equal prompts](results/offline_throughput_equal.md)", "results/offline_throughput_equal.json",
+     offline_throughput),
     ("[memory_waste](results/memory_waste.md) (PagedAttention Fig. 2, simulator)", "results/memory_waste.json",
      memory_waste),
     ("[radix_hit_rate](results/radix_hit_rate.md) (RadixAttention)", "results/radix_hit_rate.json", radix_hit_rate),
