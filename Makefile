@@ -45,6 +45,7 @@ results: $(STAMP)
 	$(BIN)/python experiments/synergy.py $(Q)
 	$(BIN)/python experiments/host_overhead.py $(Q)
 	$(if $(QUICK),,$(BIN)/python experiments/offline_throughput.py)
+	$(if $(QUICK),,$(BIN)/python experiments/offline_throughput.py --workload equal)
 	$(if $(QUICK),,$(BIN)/python experiments/load.py)
 	$(if $(QUICK),,$(BIN)/python experiments/results_table.py)
 
