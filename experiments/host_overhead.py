@@ -47,11 +47,14 @@ def measure(n: int, async_scheduling: bool, steps: int) -> dict[str, float]:
     from llmjax.engine import LLMEngine
     from llmjax.sampling_params import SamplingParams
 
-    config = EngineConfig(max_num_seqs=n, max_num_batched_tokens=max(512, n), max_model_len=512,
+    # A token budget of 2N: the last prompts are admitted within a few steps of the first (with a
+    # budget of N, the decodes of the early requests leave room for one prompt a step near the end,
+    # and the early ones would run out of tokens before the timed steps).
+    config = EngineConfig(max_num_seqs=n, max_num_batched_tokens=max(512, 2 * n), max_model_len=512,
                           kv_cache_memory_bytes=n * 256 * 4096, async_scheduling=async_scheduling)
     engine = LLMEngine.from_config("tiny-gqa", config)
     rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 150, ignore_eos=True)  # 16 + 190 < 256 a request
     for _ in range(n):
         engine.add_request(rng.integers(3, 500, 16).tolist(), params)
     while engine.scheduler.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids)
