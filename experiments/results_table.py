@@ -73,8 +73,9 @@ def offline_throughput(d: dict, n: Numbers) -> str:
             f"{n(d['output_tokens'], 'd')} output tokens): llmjax in {d['llmjax_dtype']} "
             f"{n.ratio(hf[str(best['batch'])], d['llmjax_s'])}x the output tokens/s of HF `generate` at its best "
             f"({best['dtype']}, batch {n(best['batch'], 'd')} of {' / '.join(n(float(b), '.0f') for b in hf)}, "
-            f"{best['order']} order){same}; {n.ratio(d['achieved_flops'], d['peak_flops'], '.0%')} of the measured "
-            f"{d['llmjax_dtype']} matmul peak, where full use of it would allow at most "
+            f"{best['order']} order){same}; {n.ratio(d['achieved_flops'], d['peak_flops'], '.0%')} of the machine's "
+            f"{d['llmjax_dtype']} matmul peak (steady 64-request decode "
+            f"{n.ratio(d['decode_step_flops'], d['decode_peak_flops'], '.0%')}), where full use of it would allow at most "
             f"{n(d['ratio_ceiling'], '.1f')}x over HF on this machine")
 
 
