@@ -113,21 +113,25 @@ def replay_sim(config: EngineConfig, requests: list[TraceRequest], cost: CostMod
 
 
 # --- the real engine -----------------------------------------------------------------------------------
+# The experiments compare techniques at one precision, float32 (what the reference tests check
+# exactly), whatever the engine's CPU default; a config's `dtype` (synergy's bfloat16 rung) overrides it.
+EXPERIMENT_DTYPE = "float32"
 _LOADED: dict = {}
 
 
 def make_engine(model: str | None, config: EngineConfig):
-    """An `LLMEngine` for `model` (None: the embedded SmolLM2; or a preset) in `config.dtype`; weights load
+    """An `LLMEngine` for `model` (None: the embedded SmolLM2; or a preset) in `config.dtype` (default
+    `EXPERIMENT_DTYPE`, float32, not the engine's CPU default); weights load
     once per (model, dtype) and process, compiled step buckets are shared by the engines of one process and
     cached on disk across runs."""
     import jax.numpy as jnp
 
     from llmjax.engine import LLMEngine
-    from llmjax.models.loader import default_dtype, load_model
+    from llmjax.models.loader import load_model
     from llmjax.runner import enable_compilation_cache
     from llmjax.tokenizer import load_tokenizer
 
-    key = (model, jnp.dtype(config.dtype or default_dtype()))
+    key = (model, jnp.dtype(config.dtype or EXPERIMENT_DTYPE))
     if key not in _LOADED:
         enable_compilation_cache()  # JAX's persistent cache: a rerun compiles (almost) nothing
         loaded = load_model(model, dtype=key[1])

@@ -51,7 +51,8 @@ def measure(n: int, async_scheduling: bool, steps: int) -> dict[str, float]:
     # budget of N, the decodes of the early requests leave room for one prompt a step near the end,
     # and the early ones would run out of tokens before the timed steps).
     config = EngineConfig(max_num_seqs=n, max_num_batched_tokens=max(512, 2 * n), max_model_len=512,
-                          kv_cache_memory_bytes=n * 256 * 4096, async_scheduling=async_scheduling)
+                          kv_cache_memory_bytes=n * 256 * 4096, async_scheduling=async_scheduling,
+                          dtype="float32")
     engine = LLMEngine.from_config("tiny-gqa", config)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 150, ignore_eos=True)  # 16 + 190 < 256 a request

@@ -154,7 +154,7 @@ def load(d: dict, n: Numbers) -> str:
             f"{n(d['num_interrupted'], 'd')} started streams cut by the kill, killed replica "
             f"{'restarted' if d['restarted'] else 'NOT restarted'}, {n(d['leaked_replicas'], 'd')} replicas left with "
             f"requests or KV blocks; /health p99 {n(d['health']['p99_ms'], '.1f')} ms with "
-            f"{n(d['health']['non_200'], 'd')} non-200 answers")
+            f"{n(d['health']['non_200'], 'd')} answers not OK")
 
 
 def kv_bookkeeping(d: dict, n: Numbers) -> str:

@@ -39,6 +39,8 @@ from llmjax.config import EngineConfig
 from llmjax.engine import LLMEngine
 from llmjax.outputs import OutputAccumulator, RequestOutput
 from llmjax.kv import KVCacheManager
+import jax.numpy as jnp
+
 from llmjax.provenance import results_dir, write_results
 from llmjax.sampling_params import SamplingParams
 from llmjax.sim import A100_40GB_OPT_13B, DUMMY_TOKEN, Simulator, TraceRequest
@@ -149,12 +151,14 @@ def measure(engine: LLMEngine, workload: Workload, max_tokens: int) -> dict[str,
 
 def load(model_name: str | None):
     """(model, tokenizer), loaded once for all the engines of a script; the compilation cache on."""
-    from llmjax.models.loader import default_dtype, load_model
+    import jax.numpy as jnp
+
+    from llmjax.models.loader import load_model
     from llmjax.runner import enable_compilation_cache
     from llmjax.tokenizer import load_tokenizer
 
     enable_compilation_cache()
-    model = load_model(model_name, dtype=default_dtype())
+    model = load_model(model_name, dtype=jnp.float32)  # the experiments' precision (experiments/common.py)
     return model, load_tokenizer(model.source, model.config.eos_token_ids)
 
 

@@ -151,7 +151,7 @@ def engine_part(requests: int, seed: int) -> dict:
     outputs = lognormal_lengths(rng, requests, ALPACA.mean_output, ALPACA.sigma_output, 256)
     engines = {caching: LLMEngine.from_config("tiny-gqa", EngineConfig(
         block_size=BLOCK, max_model_len=512, max_num_seqs=16, kv_cache_memory_bytes=8 << 20,
-        enable_prefix_caching=caching)) for caching in (True, False)}
+        enable_prefix_caching=caching, dtype="float32")) for caching in (True, False)}
     out: dict[str, dict] = {"widths": list(WIDTHS), "requests": requests, "engine": [], "sim": []}
     for width in tqdm(WIDTHS, desc="engine: widths", unit="width", leave=False):
         totals, sim = np.zeros(2), np.zeros(2)

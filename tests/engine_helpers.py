@@ -20,7 +20,7 @@ REF_LEN = 128  # the dense reference pads every sequence to this length (one com
 
 def tiny_engine(preset: str = "tiny-gqa", **overrides) -> LLMEngine:
     cfg = dict(max_num_batched_tokens=64, max_num_seqs=8, block_size=8, max_model_len=REF_LEN,
-               kv_cache_memory_bytes=2 << 20, attention_backend="xla")
+               kv_cache_memory_bytes=2 << 20, attention_backend="xla", dtype="float32")
     cfg.update(overrides)
     return LLMEngine.from_config(preset, EngineConfig(**cfg), seed=0)
 

@@ -247,3 +247,11 @@ def test_engine_greedy_tokens_with_and_without_amx(monkeypatch):
         _, logits = dense_greedy(ref_engine, prompt + b[:i], 1)
         gap = abs(float(logits[0][a[i]] - logits[0][b[i]]))
         assert gap < 1e-2 * float(np.abs(logits[0]).max()), f"token {i} differs, logit gap {gap}"
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_cpu_default_dtype_is_bfloat16_only_with_the_amx_kernel(monkeypatch, amx):
+    from llmjax.models import loader
+
+    monkeypatch.setattr(loader.amx_matmul, "enabled", lambda dtype: amx and jnp.dtype(dtype) == jnp.bfloat16)
+    assert loader.default_dtype() == (jnp.bfloat16 if amx else jnp.float32)

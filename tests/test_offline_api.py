@@ -17,7 +17,7 @@ PROMPT = RNG.integers(3, 250, size=40).tolist()  # 5 whole blocks of 8
 def llm():
     return LLM("tiny-gqa", engine_config=EngineConfig(
         max_num_batched_tokens=64, max_num_seqs=8, block_size=8, max_model_len=REF_LEN,
-        kv_cache_memory_bytes=2 << 20, attention_backend="xla"))
+        kv_cache_memory_bytes=2 << 20, attention_backend="xla", dtype="float32"))
 
 
 def test_prompt_forms_and_output_shape(llm):

@@ -290,5 +290,9 @@ def load_model(source: str | None = None, *, dtype=jnp.float32, seed: int = 0) -
 
 
 def default_dtype() -> jnp.dtype:
-    """float32 on CPU, bfloat16 on accelerators."""
-    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    """bfloat16 on accelerators and on a CPU whose linear layers run the AMX kernel
+    (`amx_matmul.enabled`: the mixed-precision path, several times float32's speed there);
+    float32 on other CPUs (and with `LLMJAX_NO_AMX=1`). `--dtype` / `EngineConfig.dtype` overrides it."""
+    if jax.default_backend() != "cpu" or amx_matmul.enabled(jnp.bfloat16):
+        return jnp.bfloat16
+    return jnp.float32
