@@ -74,7 +74,7 @@ def offline_throughput(d: dict, n: Numbers) -> str:
             f"{n.ratio(hf[str(best['batch'])], d['llmjax_s'])}x the output tokens/s of HF `generate` at its best "
             f"({best['dtype']}, batch {n(best['batch'], 'd')} of {' / '.join(n(float(b), '.0f') for b in hf)}, "
             f"{best['order']} order){same}; {n.ratio(d['achieved_flops'], d['peak_flops'], '.0%')} of the machine's "
-            f"{d['llmjax_dtype']} matmul peak (steady 64-request decode "
+            f"{d['llmjax_dtype']} matmul peak (its steady decode step "
             f"{n.ratio(d['decode_step_flops'], d['decode_peak_flops'], '.0%')}), where full use of it would allow at most "
             f"{n(d['ratio_ceiling'], '.1f')}x over HF on this machine")
 
@@ -151,7 +151,7 @@ def load(d: dict, n: Numbers) -> str:
     return (f"{n(d['total_requests'], 'd')} requests ({n(d['poison_requests'], 'd')} poison) through the router to "
             f"{n(d['replicas'], 'd')} replicas, one killed with SIGKILL mid-run: {n(d['num_failures'], 'd')} valid "
             f"requests failed, {n(d['num_bad_errors'], 'd')} poison requests answered wrongly, "
-            f"{n(d['num_interrupted'], 'd')} started streams cut by the kill, killed replica "
+            f"{n(d['num_interrupted'], 'd')} streams cut by the kill after they had started, killed replica "
             f"{'restarted' if d['restarted'] else 'NOT restarted'}, {n(d['leaked_replicas'], 'd')} replicas left with "
             f"requests or KV blocks; /health p99 {n(d['health']['p99_ms'], '.1f')} ms with "
             f"{n(d['health']['non_200'], 'd')} answers not OK")
