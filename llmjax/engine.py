@@ -57,14 +57,14 @@ class RequestError(ValueError):
         self.param = param
 
 
-@dataclass
+@dataclass(slots=True)
 class _SequenceState:
-    """Per sample: its text so far and what of it was already returned."""
+    """Per sample: its text not yet returned (held back while it may start a stop string) and how
+    many of its tokens (and logprob entries) were returned."""
 
     detokenizer: IncrementalDetokenizer
-    text: str = ""
-    emitted: int = 0  # characters of `text` already returned
-    emitted_tokens: int = 0  # tokens (and logprob entries) already returned
+    unreturned: str = ""
+    returned_tokens: int = 0
     cumulative_logprob: float = 0.0
 
 
@@ -259,8 +259,8 @@ class LLMEngine:
         self.time_update += t2 - t1
         now = time.monotonic()
         parents = self._parents
-        changed: dict[_Parent, list[Request]] = {}  # its samples that changed, in order
-        failed: list[RequestOutput] = []
+        outputs: list[RequestOutput] = []
+        grouped: dict[_Parent, list[Request]] = {}  # parents with n > 1: their samples that changed, in order
         for i, request in appended:
             parent = parents.get(request.parent_id)
             if parent is None:  # its request failed earlier in this step
@@ -269,32 +269,36 @@ class LLMEngine:
                 self._after_token(request, parent, result, i, now)
             except Exception as exc:  # e.g. the detokenizer on this request's token: fail it alone
                 log.exception("request %s failed", parent.request_id)
-                done_in_step = changed.pop(parent, [])
-                failed.append(self._end(parent, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}",
-                                        done_in_step))
+                outputs.append(self._end(parent, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}",
+                                         grouped.pop(parent, ())))
                 continue
-            samples = changed.get(parent)
-            if samples is None:
-                changed[parent] = [request]
+            if len(parent.children) == 1:
+                outputs.append(self._output(parent, (request,)))
+            elif parent in grouped:
+                grouped[parent].append(request)
             else:
-                samples.append(request)
-        outputs = [self._output(parent, samples) for parent, samples in changed.items()
-                   if parent.request_id in parents]
+                grouped[parent] = [request]
+        outputs += [self._output(parent, samples) for parent, samples in grouped.items()
+                    if parent.request_id in parents]
         self.time_output += time.perf_counter() - t2
-        return outputs + failed
+        return outputs
 
     def _after_token(self, request: Request, parent: _Parent, result, i: int, now: float) -> None:
         """The engine's part of a new token (the scheduler appended it and checked EOS, stop ids and
         lengths): logprobs, text and stop strings, counts; releases held siblings after the first token."""
-        token = request.output_token_ids[-1]
+        output_ids = request.output_token_ids
+        token = output_ids[-1]
         metrics = parent.metrics
-        if metrics.first_token_time is None:
+        times = metrics.token_times
+        if not times:
             metrics.first_token_time = now
-        if len(request.output_token_ids) == 1 and request.sample_index == 0:
-            self.num_prompt_tokens += len(request.prompt_token_ids)  # counted once prefilled, as vLLM does
-        if not metrics.token_times or metrics.token_times[-1] != now:
-            metrics.token_times.append(now)
+            times.append(now)
+        elif times[-1] != now:
+            times.append(now)
         metrics.num_generation_tokens += 1
+        self.num_generation_tokens += 1
+        if len(output_ids) == 1 and request.sample_index == 0:
+            self.num_prompt_tokens += len(request.prompt_token_ids)  # counted once prefilled, as vLLM does
         state = parent.texts[request.sample_index]
         params = request.sampling_params
         if params.logprobs is not None:
@@ -303,25 +307,28 @@ class LLMEngine:
                              result.top_logprobs[i, :params.logprobs].tolist()))
             request.output_logprobs.append(entry)
             state.cumulative_logprob += float(result.logprobs[i])
-        self.num_generation_tokens += 1
-        state.text += state.detokenizer.add(token)
-        if params.stop and request.status is not RequestStatus.FINISHED_STOPPED:
-            self._check_stop_strings(request, state)
+        text = state.detokenizer.add(token)
+        if text:
+            state.unreturned += text
+            if params.stop and request.status is not RequestStatus.FINISHED_STOPPED:
+                self._check_stop_strings(request, state, len(text))
         if parent.held:  # the prompt is computed and its full pages cached
             for sibling in parent.held:
                 self.scheduler.add(sibling)
             parent.held = []
 
-    def _check_stop_strings(self, request: Request, state: _SequenceState) -> None:
-        """A stop string in the new text ends the request (vLLM checks them before the length limits,
-        so one found in a request the scheduler just ended by length makes it a stop)."""
+    def _check_stop_strings(self, request: Request, state: _SequenceState, new_chars: int) -> None:
+        """A stop string that ends in the new text (its last `new_chars` characters) ends the request
+        (vLLM checks them before the length limits, so one found in a request the scheduler just ended
+        by length makes it a stop). Not before `min_tokens` tokens are out."""
         params = request.sampling_params
         if len(request.output_token_ids) < params.min_tokens:
             return
+        text = state.unreturned  # text held back is at most the longest stop string less one character
         for stop in params.stop:
-            idx = state.text.find(stop, max(0, len(state.text) - len(stop) - 64))
+            idx = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
             if idx >= 0:
-                state.text = state.text[: idx + (len(stop) if params.include_stop_str_in_output else 0)]
+                state.unreturned = text[: idx + (len(stop) if params.include_stop_str_in_output else 0)]
                 request.stop_reason = stop
                 if request.status.finished:
                     request.status = RequestStatus.FINISHED_STOPPED
@@ -369,33 +376,39 @@ class LLMEngine:
     def _completion_delta(request: Request, state: _SequenceState) -> CompletionOutput:
         """What `request` added since its last output (text held back while it may start a stop string)."""
         params = request.sampling_params
-        finished = request.status.finished
-        held = 0 if finished or not params.stop else max(map(len, params.stop)) - 1
-        end = max(state.emitted, len(state.text) - held)
-        text = state.text[state.emitted : end]
-        state.emitted = end
-        start, state.emitted_tokens = state.emitted_tokens, len(request.output_token_ids)
+        finish_reason = request.finish_reason
+        text = state.unreturned
+        if text and params.stop and finish_reason is None:
+            cut = max(0, len(text) - max(map(len, params.stop)) + 1)
+            text, state.unreturned = text[:cut], text[cut:]
+        else:
+            state.unreturned = ""
+        output_ids = request.output_token_ids
+        start = state.returned_tokens
+        state.returned_tokens = len(output_ids)
         want_logprobs = params.logprobs is not None
         return CompletionOutput(
-            index=request.sample_index, text=text, token_ids=request.output_token_ids[start:],
+            index=request.sample_index, text=text, token_ids=output_ids[start:],
             cumulative_logprob=state.cumulative_logprob if want_logprobs else None,
             logprobs=request.output_logprobs[start:] if want_logprobs else None,
-            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+            finish_reason=finish_reason, stop_reason=request.stop_reason,
         )
 
-    def _output(self, parent: _Parent, children: list[Request]) -> RequestOutput:
+    def _output(self, parent: _Parent, children: Sequence[Request]) -> RequestOutput:
         """The delta output of `parent` for its samples `children`; forgets a finished parent."""
-        completions = [self._completion_delta(c, parent.texts[c.sample_index]) for c in children]
+        texts = parent.texts
+        completions = [self._completion_delta(c, texts[c.sample_index]) for c in children]
         kids = parent.children
-        finished = kids[0].status.finished if len(kids) == 1 else all(c.status.finished for c in kids)
+        first = kids[0]
+        finished = first.status.finished if len(kids) == 1 else all(c.status.finished for c in kids)
         metrics = parent.metrics
-        metrics.first_scheduled_time = kids[0].scheduled_time
+        metrics.first_scheduled_time = first.scheduled_time
         if finished:
             metrics.finish_time = max(c.finish_time for c in kids)
             metrics.num_preemptions = sum(c.num_preemptions for c in kids)
             del self._parents[parent.request_id]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
-                             metrics, kids[0].num_cached_tokens)
+                             metrics, first.num_cached_tokens)
 
     # --- introspection -----------------------------------------------------------------------------
     def check_kv_invariants(self) -> None:

@@ -37,7 +37,6 @@ Not thread-safe: one engine loop calls every method.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -126,6 +125,12 @@ class Scheduler:
         self.input_closed = False  # static/dynamic: no more arrivals, so a partial batch may start
         self.num_preemptions = 0
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        if build_step_inputs:  # per batch row: its block table, kept between steps, and its last token
+            rows, max_blocks = config.max_num_seqs, self.buckets.max_blocks
+            self._tables = np.zeros((rows, max_blocks), np.int32)  # padded with the null block
+            self._table_len = np.zeros(rows, np.int32)  # blocks of the row's table written in `_tables`
+            self._table_stale = np.zeros(rows, bool)  # entries may have changed (admission, cached pages)
+            self._last_token = np.zeros(rows, np.int32)  # the row's last token known on the host
 
     # --- queue changes -------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -240,6 +245,9 @@ class Scheduler:
             if request.scheduled_time is None:
                 request.scheduled_time = self.clock()
             request.row = self._free_rows.pop()
+            if self.build_step_inputs:
+                self._table_stale[request.row] = True
+                self._last_token[request.row] = request.token_at(request.num_tokens - 1)
             out.new_rows.append(RowInit(request.row, request.sampling_params, request.seed, request.sample_index,
                                         request.prompt_token_ids, request.output_token_ids))
             self.running.append(request)
@@ -267,47 +275,48 @@ class Scheduler:
         out.num_decodes = len(decodes)
         if not n:
             return
-        new = np.fromiter((k for _, k in entries), np.int32, n)
-        start = np.fromiter((r.num_computed_tokens for r, _ in entries), np.int32, n)
-        length = np.fromiter((r.num_tokens + r.num_pending for r, _ in entries), np.int32, n)
-        n_out = np.fromiter((len(r.output_token_ids) + r.num_pending for r, _ in entries), np.int32, n)
-        out.num_new_tokens, out.num_computed, out.output_index = new, start, n_out
+        state = np.array([(k, r.num_computed_tokens, len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_pending,
+                           len(r.output_token_ids) + r.num_pending, r.row, r.num_pending, r.inflight_index)
+                          for r, k in entries], np.int32)
+        new, start, length, n_out, rows = state[:, 0], state[:, 1], state[:, 2], state[:, 3], state[:, 4]
+        out.num_new_tokens, out.num_computed, out.output_index, out.rows = new, start, n_out, rows
         out.samples = start + new == length
-        out.rows = np.fromiter((r.row for r, _ in entries), np.int32, n)
         out.num_tokens = int(new.sum())
         max_blocks = -(-int((start + new).max()) // self.config.block_size)
         out.bucket = self.buckets.shape(out.num_tokens, n, max_blocks)
         if self.build_step_inputs:
-            self._step_inputs(out, entries, start)
-        for i, (request, k) in enumerate(entries):
+            self._step_inputs(out, entries, state[:, 5] > 0, state[:, 6])
+        for i, ((request, k), samples) in enumerate(zip(entries, out.samples.tolist())):
             request.num_computed_tokens += k
-            if out.samples[i]:
+            if samples:
                 request.num_pending += 1
                 request.inflight_index = i
 
-    def _step_inputs(self, out: SchedulerOutput, entries: list[tuple[Request, int]], start: np.ndarray) -> None:
-        """The new tokens (a token still on the device: its index in the previous step's output) and
-        the block tables, padded to the bucket's B."""
+    def _step_inputs(self, out: SchedulerOutput, entries: list[tuple[Request, int]], pending: np.ndarray,
+                     inflight_index: np.ndarray) -> None:
+        """The new tokens and the block tables, padded to the bucket's B. A decode's token is its row's
+        last token, or, still on the device (`pending`), its index in the previous step's output; a
+        one-token step that is not at the end of the request (a prefill chunk cut to the last unit of
+        budget) reads its token. Rows whose table grew or changed are rewritten from the KV manager;
+        the others are read as kept."""
+        d, rows, start = out.num_decodes, out.rows, out.num_computed
         source = np.full(out.num_tokens, -1, np.int32)
         tokens = np.zeros(out.num_tokens, np.int32)
-        d = out.num_decodes
-        for i, (request, _) in enumerate(entries[:d]):
-            if request.num_pending:
-                source[i] = request.inflight_index
-            else:
-                tokens[i] = request.token_at(int(start[i]))
+        tokens[:d] = np.where(pending[:d], 0, self._last_token[rows[:d]])
+        source[:d] = np.where(pending[:d], inflight_index[:d], -1)
+        for i in np.flatnonzero(~out.samples[:d]).tolist():
+            tokens[i], source[i] = entries[i][0].token_at(int(start[i])), -1
         if d < len(entries):
             tokens[d:] = np.concatenate([r.token_slice(int(s), int(s) + k)
                                          for (r, k), s in zip(entries[d:], start[d:])])
         out.token_ids, out.token_source = tokens, source
-        lists = [self.kv.block_table(r.key) for r, _ in entries]
-        lens = np.fromiter(map(len, lists), np.int32, len(lists))
-        flat = np.fromiter(itertools.chain.from_iterable(lists), np.int32, int(lens.sum()))
-        row = np.repeat(np.arange(len(lists)), lens)
-        col = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
-        tables = np.zeros((len(entries), out.bucket[2]), np.int32)
-        tables[row, col] = flat
-        out.block_tables = tables
+        num_blocks = -(-(start + out.num_new_tokens) // self.config.block_size)
+        for i in np.flatnonzero((num_blocks != self._table_len[rows]) | self._table_stale[rows]).tolist():
+            table, row = self.kv.block_table(entries[i][0].key), rows[i]
+            self._tables[row, : len(table)] = table
+            self._tables[row, len(table) :] = 0
+            self._table_len[row], self._table_stale[row] = len(table), False
+        out.block_tables = self._tables[rows, : out.bucket[2]]
 
     def update_from_output(self, out: SchedulerOutput, sampled: np.ndarray) -> list[tuple[int, Request]]:
         """Apply a finished step: `sampled[i]` is the token of `out.requests[i]`.
@@ -323,17 +332,22 @@ class Scheduler:
         appended = []
         running, waiting = RequestStatus.RUNNING, RequestStatus.WAITING
         chunks = self.config.enable_prefix_caching and out.num_decodes < len(out.requests)
+        tokens = sampled.tolist()
         for i, (request, samples) in enumerate(zip(out.requests, out.samples.tolist())):
             status = request.status
             if status is not running and status is not waiting:
                 continue  # finished meanwhile
             if chunks and i >= out.num_decodes and status is running:
                 self.kv.cache_blocks(request.key, request.token_slice(0, request.num_computed_tokens))
+                if self.build_step_inputs:
+                    self._table_stale[request.row] = True  # pages may now be another request's canonical blocks
             if not samples:
                 continue
             request.num_pending -= 1
-            token = int(sampled[i])
+            token = tokens[i]
             request.output_token_ids.append(token)
+            if self.build_step_inputs and request.row >= 0:  # a preempted request has no row
+                self._last_token[request.row] = token
             request.token_times.append(now)
             if request.first_token_time is None:
                 request.first_token_time = now

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers.decoders import DecodeStream
 
 from llmjax.models.loader import ModelSource
 
@@ -89,10 +91,10 @@ class CharTokenizer:
         return ([1] if add_special_tokens else []) + ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(32 + (i - self.OFFSET) % self.NUM_CHARS) for i in ids if i >= self.OFFSET)
+        return "".join(map(self.token_to_text, ids))
 
     def token_to_text(self, token_id: int) -> str:
-        return self.decode([token_id])
+        return chr(32 + (token_id - self.OFFSET) % self.NUM_CHARS) if token_id >= self.OFFSET else ""
 
     def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
@@ -115,24 +117,59 @@ def load_tokenizer(source: ModelSource, eos_token_ids: Sequence[int] = ()) -> To
 
 
 class IncrementalDetokenizer:
-    """Text deltas for a growing token list.
+    """Text deltas for a growing token list: `add(id)` returns the text the new id completes
+    (possibly empty); the deltas concatenate to the decoded output, never ending in half of a
+    multi-byte character split across tokens.
 
-    Decodes a short window of recent ids twice (without and with the new id) and emits the
-    difference, so tokenizers whose text depends on neighbours (leading spaces, byte fallback)
-    stay correct. A delta ending in U+FFFD (an incomplete UTF-8 sequence) is held back until
-    the next token completes it.
+    One strategy per tokenizer, all giving the same deltas:
+    - a HF tokenizer backed by `tokenizers` (every fast tokenizer): its `DecodeStream` (Rust, about
+      a microsecond a token), primed with the prompt's last ids so leading spaces and byte
+      fallback see their context; should it refuse a sequence, the request goes on windowed;
+    - windowed (any other HF tokenizer): decode a short window of recent ids twice (without and with
+      the new id) and emit the difference, holding back a delta that ends in U+FFFD (an incomplete
+      UTF-8 sequence) until the next token completes it;
+    - `CharTokenizer`: every id is its own character.
     """
+
+    CONTEXT = 6  # prompt ids that give the first new ids their context
 
     def __init__(self, tokenizer: Tokenizer | CharTokenizer, prompt_ids: Sequence[int] = (),
                  skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = list(prompt_ids[-6:])
+        self.ids: list[int] = list(prompt_ids[-self.CONTEXT:])
         self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self.read_offset = len(self.ids)  # ids before it are returned as text
+        backend = getattr(getattr(tokenizer, "hf", None), "_tokenizer", None)
+        if isinstance(tokenizer, CharTokenizer):
+            self.add = tokenizer.token_to_text
+        elif isinstance(backend, tokenizers.Tokenizer):
+            self._backend = backend
+            self._step = DecodeStream(skip_special_tokens=skip_special_tokens).step
+            try:
+                for token_id in self.ids:  # the context's own text is not returned
+                    self._step(backend, token_id)
+                self.add = self._add_streamed
+            except Exception:  # a context the stream refuses
+                self.add = self._add_windowed
+        else:
+            self.add = self._add_windowed
 
-    def add(self, token_id: int) -> str:
-        """Append one id; return the newly completed text (possibly empty)."""
+    def _add_streamed(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        try:
+            text = self._step(self._backend, token_id)
+        except Exception:  # e.g. tokenizers' InvalidPrefix: continue from the last returned text
+            self.ids.pop()
+            self.prefix_offset = max(0, self.read_offset - self.CONTEXT)
+            self.add = self._add_windowed
+            return self._add_windowed(token_id)
+        if text is None:
+            return ""
+        self.read_offset = len(self.ids)
+        return text
+
+    def _add_windowed(self, token_id: int) -> str:
         self.ids.append(token_id)
         skip = self.skip_special_tokens
         before = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)

@@ -96,6 +96,39 @@ def test_incremental_detokenizer_handles_split_multibyte_characters(ours):
     )
 
 
+def test_streamed_detokenizer_matches_the_windowed_one_and_falls_back(ours, monkeypatch):
+    """The DecodeStream strategy gives the same deltas as the windowed one (decoding the tokenizer's
+    own way), with and without special tokens; when the stream refuses a token the request goes on
+    windowed and loses no text."""
+    _, tokenizer = ours
+    cases = [("The capital of France is", " Paris. It is 🌍 big"),
+             ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "Hello! Grüße<|im_end|> again"),
+             ("a", "\n\n  spaced   out\ttabs"), ("東京", "タワー ok 🚀")]
+    for prompt, continuation in cases:
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        ids = tokenizer.encode(continuation, add_special_tokens=False)
+        for skip in (True, False):
+            streamed = IncrementalDetokenizer(tokenizer, prompt_ids, skip)
+            windowed = IncrementalDetokenizer(tokenizer, prompt_ids, skip)
+            assert streamed.add == streamed._add_streamed
+            windowed.add = windowed._add_windowed
+            assert [streamed.add(t) for t in ids] == [windowed.add(t) for t in ids]
+            expected = tokenizer.decode(prompt_ids + ids, skip)[len(tokenizer.decode(prompt_ids, skip)):]
+            failing = IncrementalDetokenizer(tokenizer, prompt_ids, skip)
+            calls = {"n": 0}
+            real_step = failing._step
+
+            def step(backend, token_id):
+                calls["n"] += 1
+                if calls["n"] == 3:  # the stream refuses the third new id
+                    raise RuntimeError("refused")
+                return real_step(backend, token_id)
+
+            failing._step = step
+            assert "".join(failing.add(t) for t in ids) == expected
+            assert failing.add == failing._add_windowed
+
+
 def test_engine_greedy_equals_hf_generate(hf, ours):
     """All prompts at once, a few requests per step, chunked prefill on (budget 32 tokens)."""
     hf_model, _ = hf
