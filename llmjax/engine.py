@@ -40,11 +40,12 @@ from llmjax.models.loader import LoadedModel, default_dtype, load_model
 from llmjax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmjax.request import Request, RequestStatus
 from llmjax.runner import InFlight, ModelRunner, enable_compilation_cache
-from llmjax.sampling_params import SamplingParams
+from llmjax.sampling_params import RequestOutputKind, SamplingParams
 from llmjax.scheduler import Scheduler, SchedulerOutput
 from llmjax.tokenizer import CharTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 CPU_KV_BUDGET_BYTES = 1 << 30
+DELTA = RequestOutputKind.DELTA
 
 log = logging.getLogger(__name__)
 
@@ -219,8 +220,9 @@ class LLMEngine:
     # --- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step. Returns a DELTA output (see `llmjax.outputs`) for each request
-        that sampled a token or finished: this step's, or with asynchronous scheduling the previous
-        step's (this one stays in flight; a call that schedules nothing completes it).
+        that sampled a token or finished (a `FINAL_ONLY` request: one whole output once all its
+        samples finished): this step's, or with asynchronous scheduling the previous step's (this one
+        stays in flight; a call that schedules nothing completes it).
 
         If a step itself fails (the runner raises), only the requests in it fail: each gets a
         finished output with `error` set, its blocks are freed, and later steps run as usual.
@@ -272,14 +274,20 @@ class LLMEngine:
                 outputs.append(self._end(parent, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}",
                                          grouped.pop(parent, ())))
                 continue
-            if len(parent.children) == 1:
+            if len(parent.children) > 1:
+                if parent in grouped:
+                    grouped[parent].append(request)
+                else:
+                    grouped[parent] = [request]
+            elif parent.params.output_kind is DELTA or request.status.finished:
                 outputs.append(self._output(parent, (request,)))
-            elif parent in grouped:
-                grouped[parent].append(request)
-            else:
-                grouped[parent] = [request]
-        outputs += [self._output(parent, samples) for parent, samples in grouped.items()
-                    if parent.request_id in parents]
+        for parent, samples in grouped.items():
+            if parent.request_id not in parents:
+                continue
+            if parent.params.output_kind is DELTA:
+                outputs.append(self._output(parent, samples))
+            elif all(c.status.finished for c in parent.children):
+                outputs.append(self._output(parent, parent.children))
         self.time_output += time.perf_counter() - t2
         return outputs
 
@@ -360,7 +368,10 @@ class LLMEngine:
         """End every unfinished sample of `parent` with `status`; returns the final delta output (of
         those samples and of `changed`, samples whose new tokens were not returned yet)."""
         unfinished = [c for c in parent.children if not c.status.finished]
-        reported = [c for c in parent.children if c in changed or c in unfinished]
+        if parent.params.output_kind is DELTA:
+            reported = [c for c in parent.children if c in changed or c in unfinished]
+        else:  # nothing was returned yet
+            reported = parent.children
         held = set(map(id, parent.held))
         parent.held = []
         for child in unfinished:

@@ -9,6 +9,7 @@ prompt, in input order (`llmjax.outputs`: `.outputs[i].text`, `.token_ids`, ...)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Mapping, Sequence
 
@@ -16,8 +17,8 @@ from tqdm import tqdm
 
 from llmjax.config import EngineConfig
 from llmjax.engine import LLMEngine
-from llmjax.outputs import OutputAccumulator, RequestOutput
-from llmjax.sampling_params import SamplingParams
+from llmjax.outputs import RequestOutput
+from llmjax.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | Mapping[str, Any]  # str | {"prompt": str} | {"prompt_token_ids": list[int]}
 Conversation = Sequence[Mapping[str, str]]
@@ -77,6 +78,10 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        # one output per request, when it finishes (as vLLM's LLM asks for)
+        final = {id(sp): dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                 for sp in {id(sp): sp for sp in sampling_params}.values()}
+        sampling_params = [final[id(sp)] for sp in sampling_params]
         engine = self.engine
         ids: list[str] = []
         try:
@@ -87,16 +92,16 @@ class LLM:
                 engine.abort(request_id)
             raise
         engine.scheduler.input_closed = True
-        results = OutputAccumulator()
-        start, generated = time.perf_counter(), 0
+        results: dict[str, RequestOutput] = {}
+        start, generated_before = time.perf_counter(), engine.num_generation_tokens
         try:
             with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
                 while engine.has_unfinished_requests():
-                    for delta in engine.step():
-                        generated += sum(len(c.token_ids) for c in delta.outputs)
-                        if results.add(delta).finished:
-                            bar.update(1)
-                    bar.set_postfix(tok_per_s=f"{generated / (time.perf_counter() - start):.1f}")
+                    for output in engine.step():
+                        results[output.request_id] = output
+                        bar.update(1)
+                    generated = engine.num_generation_tokens - generated_before
+                    bar.set_postfix(tok_per_s=f"{generated / (time.perf_counter() - start):.1f}", refresh=False)
         finally:
             engine.scheduler.input_closed = False
-        return [results.outputs[i] for i in ids]
+        return [results[i] for i in ids]

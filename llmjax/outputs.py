@@ -4,7 +4,9 @@ sample (`n` of them), and the request's timings under `metrics`.
 `LLMEngine.step()` returns DELTAS (vLLM's `RequestOutputKind.DELTA`): each output carries only
 what that step added (new text, new token ids, new logprobs) for the samples that changed, so a
 step costs O(new tokens), not O(tokens so far). Consumers that want whole outputs accumulate
-them with `OutputAccumulator` (the offline API, the server's non-streamed responses, tests).
+them with `OutputAccumulator`, or ask for `RequestOutputKind.FINAL_ONLY` (`SamplingParams.output_kind`:
+the offline API and the server's non-streamed responses do), which builds no output until the
+request has finished and then returns all of it in one output.
 """
 
 from __future__ import annotations

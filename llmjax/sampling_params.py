@@ -7,6 +7,7 @@ values with the same `SamplingParamsError` (which names the field). What needs t
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -19,6 +20,15 @@ SEED_MIN, SEED_END = -(2**63), 2**64  # any signed or unsigned 64-bit integer
 MAX_PENALTY = 2.0  # presence / frequency in [-2, 2]; repetition in (0, 2]
 MAX_LOGIT_BIAS = 100.0
 GREEDY_BELOW = 1e-5  # a smaller temperature samples greedily (as vLLM does), never dividing by ~0
+
+
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step()` returns for a request (vLLM's names): `DELTA`, what each step added
+    (streams); `FINAL_ONLY`, one whole output when the request finishes (the offline API and
+    non-streamed responses: no per-step output is built)."""
+
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 class SamplingParamsError(ValueError):
@@ -52,6 +62,7 @@ class SamplingParams:
     token already in the output (once / per occurrence); `repetition_penalty` divides the positive
     logits (multiplies the negative ones) of tokens in the prompt or the output. `logit_bias` adds
     a bias to a token id's logit (keys may be ints or decimal strings, as in OpenAI's JSON).
+    `output_kind`: deltas every step (the default) or one final output (`RequestOutputKind`).
     """
 
     n: int = 1
@@ -72,6 +83,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -114,6 +126,8 @@ class SamplingParams:
         self._check("repetition_penalty", 0 < self.repetition_penalty <= MAX_PENALTY,
                     f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         object.__setattr__(self, "logit_bias", self._checked_logit_bias(self.logit_bias))
+        self._check("output_kind", isinstance(self.output_kind, RequestOutputKind),
+                    f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     def _checked_logit_bias(self, bias: Any) -> dict[int, float] | None:
         if bias is None:

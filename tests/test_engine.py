@@ -1,11 +1,13 @@
 """The engine on tiny random models: greedy outputs equal a dense no-cache reference under every
 batching configuration, sampling, stops, abort, KV invariants, compilation counts."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from llmjax.engine import RequestError
-from llmjax.sampling_params import SamplingParams
+from llmjax.sampling_params import RequestOutputKind, SamplingParams
 from tests.engine_helpers import GREEDY, assert_greedy_matches, dense_greedy, drain, run_to_completion, tiny_engine
 
 RNG = np.random.default_rng(1234)
@@ -105,6 +107,51 @@ def test_stop_token_ids_and_max_tokens():
     cut = cut.outputs[0]
     first = full.token_ids.index(stop_id)
     assert cut.token_ids == full.token_ids[: first + 1] and cut.stop_reason == stop_id
+
+
+def _final_only_outputs(engine, prompts, params, abort_after: int | None = None):
+    """Every output `step()` returns for FINAL_ONLY requests (after `abort_after` steps, all are aborted)."""
+    final = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    ids = [engine.add_request(list(p), final) for p in prompts]
+    outputs, steps = [], 0
+    while engine.has_unfinished_requests():
+        if steps == abort_after:
+            outputs += [o for o in map(engine.abort, ids) if o is not None]
+            break
+        outputs += engine.step()
+        steps += 1
+    return ids, outputs
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=9, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=["a", "e", "x"]),
+], ids=["logprobs", "n-3", "stop"])
+def test_final_only_returns_one_output_equal_to_the_accumulated_deltas(params):
+    prompts = PROMPTS[:4]
+    expected = run_to_completion(tiny_engine(), prompts, params)
+    engine = tiny_engine()
+    ids, outputs = _final_only_outputs(engine, prompts, params)
+    assert sorted(o.request_id for o in outputs) == sorted(ids)  # one output each
+    by_id = {o.request_id: o for o in outputs}
+    for rid, want in zip(ids, expected):
+        got = by_id[rid]
+        assert got.finished
+        assert [(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason) for c in got.outputs] == \
+            [(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason) for c in want.outputs]
+
+
+def test_final_only_abort_returns_everything_generated_so_far():
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, n=2)
+    engine = tiny_engine()
+    ids, outputs = _final_only_outputs(engine, PROMPTS[:2], params, abort_after=6)
+    assert sorted(o.request_id for o in outputs) == sorted(ids)
+    for out in outputs:
+        assert out.finished and [c.index for c in out.outputs] == [0, 1]
+        for c in out.outputs:
+            assert c.finish_reason == "abort" and 0 < len(c.token_ids) < 40 and c.text == engine.tokenizer.decode(c.token_ids)
+    assert engine.kv.usage().used == 0
 
 
 def test_abort_frees_every_block():

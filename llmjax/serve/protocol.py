@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
-from llmjax.sampling_params import SamplingParams, SamplingParamsError
+from llmjax.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 
 Prompt = str | list[int]
 MAX_PROMPTS = 1024  # prompts in one completion request (each becomes n engine requests)
@@ -91,6 +91,7 @@ class _SamplingRequest(StrictRequest):
             skip_special_tokens=self.skip_special_tokens, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
 
