@@ -397,13 +397,11 @@ class LLMEngine:
         output_ids = request.output_token_ids
         start = state.returned_tokens
         state.returned_tokens = len(output_ids)
-        want_logprobs = params.logprobs is not None
-        return CompletionOutput(
-            index=request.sample_index, text=text, token_ids=output_ids[start:],
-            cumulative_logprob=state.cumulative_logprob if want_logprobs else None,
-            logprobs=request.output_logprobs[start:] if want_logprobs else None,
-            finish_reason=finish_reason, stop_reason=request.stop_reason,
-        )
+        if params.logprobs is None:
+            return CompletionOutput(request.sample_index, text, output_ids[start:], None, None, finish_reason,
+                                    request.stop_reason)
+        return CompletionOutput(request.sample_index, text, output_ids[start:], state.cumulative_logprob,
+                                request.output_logprobs[start:], finish_reason, request.stop_reason)
 
     def _output(self, parent: _Parent, children: Sequence[Request]) -> RequestOutput:
         """The delta output of `parent` for its samples `children`; forgets a finished parent."""

@@ -28,6 +28,9 @@ class RequestStatus(enum.Enum):
         return self is not RequestStatus.WAITING and self is not RequestStatus.RUNNING
 
 
+_FINISH_REASON = {status: status.value if status.finished else None for status in RequestStatus}
+
+
 @dataclass(eq=False)
 class Request:
     """Prompt and output token ids, progress, status, timings.
@@ -102,4 +105,4 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        return self.status.value if self.status.finished else None
+        return _FINISH_REASON[self.status]

@@ -159,13 +159,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self._form_batch()
         running = RequestStatus.RUNNING
+        grow = self.kv.grow
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status is not running or (request.num_pending and self._done_when_pending_arrive(request)):
-                continue  # preempted earlier in this loop, or will finish with its pending token
-            n = min(request.num_tokens_to_compute, budget)
-            if n == 0 or not self._grow_or_preempt(request, n, out, entries):
+            if request.status is not running:
+                continue  # preempted earlier in this loop
+            pending = request.num_pending
+            if pending and self._done_when_pending_arrive(request):
+                continue  # will finish with its pending token
+            start = request.num_computed_tokens
+            n = min(len(request.prompt_token_ids) + len(request.output_token_ids) + pending - start, budget)
+            if n == 0 or not (grow(request.key, start + n) or self._grow_or_preempt(request, n, out, entries)):
                 continue
             entries.append((request, n))
             budget -= n
@@ -333,6 +338,7 @@ class Scheduler:
         running, waiting = RequestStatus.RUNNING, RequestStatus.WAITING
         chunks = self.config.enable_prefix_caching and out.num_decodes < len(out.requests)
         tokens = sampled.tolist()
+        eos, max_len = self.eos_token_ids, self.config.max_model_len
         for i, (request, samples) in enumerate(zip(out.requests, out.samples.tolist())):
             status = request.status
             if status is not running and status is not waiting:
@@ -352,21 +358,14 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
             appended.append((i, request))
-            status = self._stop(request, token)
-            if status is not None:
-                self.finish(request, status)
+            # the stops: EOS, stop ids (both only after min_tokens), then max_tokens and max_model_len
+            params = request.sampling_params
+            n_out = len(request.output_token_ids)
+            if n_out >= params.min_tokens and ((token in eos and not params.ignore_eos)
+                                               or token in params.stop_token_ids):
+                if token not in eos or params.ignore_eos:
+                    request.stop_reason = token
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+            elif n_out >= params.max_tokens or n_out + len(request.prompt_token_ids) >= max_len:
+                self.finish(request, RequestStatus.FINISHED_LENGTH)
         return appended
-
-    def _stop(self, request: Request, token: int) -> RequestStatus | None:
-        """EOS, stop ids (both only after min_tokens), then max_tokens and max_model_len."""
-        params = request.sampling_params
-        n_out = len(request.output_token_ids)
-        if n_out >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if n_out >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None

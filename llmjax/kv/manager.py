@@ -112,9 +112,14 @@ class KVCacheManager:
         boundary is crossed. False (nothing changed) when there is no room even after eviction.
         KeyError for an unknown request; ValueError when num_tokens is below what it holds or
         needs more blocks than the pool has in all."""
-        seq = self._seq(req_id)
-        if num_tokens < seq.num_tokens:
-            raise ValueError(f"request {req_id!r} holds {seq.num_tokens} tokens; cannot shrink to {num_tokens}")
+        seq = self._seqs.get(req_id) or self._seq(req_id)  # the latter raises the KeyError
+        held = seq.num_tokens
+        if held <= num_tokens <= len(seq.block_table) * self.block_size:  # within its last block
+            seq.num_tokens = num_tokens
+            self._num_seq_tokens += num_tokens - held
+            return True
+        if num_tokens < held:
+            raise ValueError(f"request {req_id!r} holds {held} tokens; cannot shrink to {num_tokens}")
         need = self.num_blocks_for(num_tokens) - len(seq.block_table)
         if need > 0:
             self._check_fits(num_tokens)
