@@ -169,8 +169,8 @@ def kernel_bench(d: dict, n: Numbers) -> str:
 
 
 def host_overhead(d: dict, n: Numbers) -> str:
-    parts = [f"{n(r['concurrency'], 'd')} decodes: {n(r['sync_host_ms'], '.2f')} ms, {n(r['hidden'], '.0%')} hidden"
-             for r in d["rows"]]
+    parts = [f"{n(r['concurrency'], 'd')} decodes, {r['outputs']} outputs: {n(r['sync_host_ms'], '.2f')} ms, "
+             f"{n(r['hidden'], '.0%')} hidden" for r in d["rows"]]
     return ("host time per decode step of a tiny model (synchronous), and the share asynchronous scheduling hides: "
             + "; ".join(parts))
 
