@@ -213,8 +213,8 @@ def kernel_cases(tiny):
     import numpy as np
 
     from llmjax.attention import xla
-    from pallas_kernels import (flash_attention, mla_ragged_paged_attention, paged_attention,
-                                ragged_paged_attention)
+    from pallas_kernels import (flash_attention, flash_prefill, mla_ragged_paged_attention, paged_attention,
+                                prefill_segment_starts, ragged_paged_attention)
     from pallas_kernels.platform import default_interpret
     from tests.attention_cases import make_batch, random_cache
     interp = default_interpret()
@@ -270,6 +270,17 @@ def kernel_cases(tiny):
                       lambda: dense_attention(q, k, v, causal=causal, q_offset=kv_len - q_len),
                       dtype))
 
+    def prefill(lens, num_tokens, heads, kv_heads, dim, dtype):
+        from tests.test_kernels import varlen_reference
+        q = jnp.asarray(rng.standard_normal((num_tokens, heads, dim)), dtype)
+        k = jnp.asarray(rng.standard_normal((num_tokens, kv_heads, dim)), dtype)
+        v = jnp.asarray(rng.standard_normal((num_tokens, kv_heads, dim)), dtype)
+        segments = prefill_segment_starts(jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32), num_tokens)
+        cases.append((f"flash prefill {len(lens)} requests T{num_tokens} h{heads}/{kv_heads} d{dim} "
+                      f"{jnp.dtype(dtype).name}",
+                      lambda: flash_prefill(q, k, v, segments, sm_scale=dim ** -0.5, interpret=interp),
+                      lambda: varlen_reference(q, k, v, lens), dtype))
+
     bf16, fp32 = jnp.bfloat16, jnp.float32
     if tiny:  # one case per code path of this function; the kernels' tests cover the rest
         ragged("mixed", 2, False, fp32)
@@ -297,6 +308,8 @@ def kernel_cases(tiny):
                  (48, 48, 8, 2, 128, True, bf16), (1000, 1500, 8, 2, 64, True, bf16),
                  (700, 700, 4, 4, 128, True, bf16)]:
         flash(*spec)
+    prefill((5, 40, 1, 70, 17), 160, 4, 2, 32, fp32)
+    prefill((3, 600, 129, 250), 1024, 9, 3, 64, bf16)  # SmolLM2's heads
     return cases
 
 
@@ -305,8 +318,8 @@ def stage_compile(report, args):
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels import (flash_attention, mla_ragged_paged_attention, paged_attention,
-                                ragged_paged_attention)
+    from pallas_kernels import (flash_attention, flash_prefill, mla_ragged_paged_attention, paged_attention,
+                                prefill_segment_starts, ragged_paged_attention)
     from pallas_kernels.platform import lower_for_cuda
     from tests.attention_cases import make_batch
 
@@ -339,6 +352,12 @@ def stage_compile(report, args):
         rows.append(_compile_row(f"flash d{dim} {jnp.dtype(dtype).name}", flash_attention,
                                  (q, k, k), args.gpu, lower_for_cuda))
         report.put("1 compile", "kernels", rows)
+    n = 256 if args.tiny else 2048
+    q, k = jnp.zeros((n, 9, 64), jnp.bfloat16), jnp.zeros((n, 3, 64), jnp.bfloat16)
+    segments = prefill_segment_starts(jnp.asarray([0, n // 4, n // 2], jnp.int32), n)
+    rows.append(_compile_row("flash prefill d64 bfloat16", functools.partial(flash_prefill, sm_scale=0.125),
+                             (q, k, k, segments), args.gpu, lower_for_cuda))
+    report.put("1 compile", "kernels", rows)
     failed = [r["kernel"] for r in rows if r["error"]]
     if failed:
         raise RuntimeError(f"failed to compile: {failed}")
@@ -391,7 +410,7 @@ def stage_kernel_table(report, args):
 
     cfg = kb.Config(smoke=args.tiny)
     if args.tiny:  # the table's code path with one small kernel (kernel_bench --smoke runs all)
-        cfg.prefill, cfg.decode, cfg.mla, cfg.mixed = [(1, 16, 16, 2, 1, 16)], [], [], None
+        cfg.prefill, cfg.decode, cfg.mla, cfg.mixed, cfg.fresh = [(1, 16, 16, 2, 1, 16)], [], [], None, None
         cfg.flash_knobs = cfg.decode_knobs = cfg.ragged_knobs = []
     else:
         cfg.repeats, cfg.inner = 7, 5

@@ -10,6 +10,8 @@ layers, to exceed L2) beside the best alternative on the same inputs and the roo
   no softmax scale: it gets q pre-multiplied by the scale);
   roofline = KV bytes / measured device-to-device copy bandwidth;
 - mla_ragged_paged_attention (decode) vs the pure-JAX path (llmjax.attention.xla);
+- a fresh prefill step (every request from position 0) through flash_attention on its own
+  K/V, as the engine runs it, vs ragged_paged_attention over the paged cache;
 - ragged_paged_attention on a mixed batch vs its decode and prefill parts run separately;
 - a sweep of each kernel's tuning knobs (static arguments) on one shape.
 
@@ -39,8 +41,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from llmjax.attention import xla  # noqa: E402
-from pallas_kernels import (flash_attention, mla_ragged_paged_attention, paged_attention,  # noqa: E402
-                            ragged_paged_attention)
+from pallas_kernels import (flash_attention, flash_prefill, mla_ragged_paged_attention, paged_attention,  # noqa: E402
+                            prefill_segment_starts, ragged_paged_attention)
 from pallas_kernels.platform import on_gpu  # noqa: E402
 
 L2_BYTES = 64 << 20  # rotate inputs through at least 4x this much memory
@@ -317,6 +319,35 @@ def _bench_ragged_one(cfg, shape, decodes, dec_ctx, chunks, chunk, chunk_ctx, he
                  knobs=knobs)]
 
 
+def bench_fresh_prefill(cfg, peak_flops):
+    """A fresh prefill step (every request from position 0): the flash path the engine takes for it
+    (`flash_prefill` on the step's own K/V) vs the ragged kernel over the paged cache."""
+    lens, heads, kv_heads, dim = cfg.fresh
+    shape = f"fresh prefill {len(lens)} requests T{sum(lens)} h{heads}/{kv_heads} d{dim}"
+    return guarded(shape, _bench_fresh_prefill_one, cfg, peak_flops, shape, lens, heads, kv_heads, dim)
+
+
+def _bench_fresh_prefill_one(cfg, peak_flops, shape, lens, heads, kv_heads, dim):
+    log(f"{shape}: inputs")
+    q, (k, v), (qsl, sl, tables, _) = paged_batch(3, lens, lens, heads=heads, kv_heads=kv_heads, head_dim=dim,
+                                                  layers=1, dtype=jnp.bfloat16)
+    flat = lambda cache: jnp.concatenate([cache[0, tables[i]].reshape(-1, kv_heads, dim)[:n]  # noqa: E731
+                                          for i, n in enumerate(lens)])
+    k_new, v_new = flat(k), flat(v)
+    segments = prefill_segment_starts(qsl, q.shape[0])
+    kw = dict(sm_scale=dim ** -0.5, interpret=cfg.interpret)
+    flash = jax.jit(functools.partial(flash_prefill, **kw))
+    ragged = functools.partial(ragged_paged_attention, **kw)
+    ragged_args = (q, k, v, jnp.int32(0), qsl, sl, tables, jnp.int32(0))
+    ref = jax.jit(functools.partial(xla.ragged_paged_attention, sm_scale=dim ** -0.5))(*ragged_args)
+    err = check(shape, flash(q, k_new, v_new, segments), ref)
+    opts = dict(repeats=cfg.repeats, inner=cfg.inner)
+    t = time_call(flash, [(q, k_new, v_new, segments)], **opts)
+    alt_t = _time_alt(ragged, [ragged_args], cfg, ref)
+    flops = 4 * heads * dim * sum(n * (n + 1) / 2 for n in lens)
+    return [_row(shape, t, flops / t / 1e12, "TFLOP/s", flops / peak_flops / t, "ragged (paged)", alt_t, err=err)]
+
+
 def bench_sweep(cfg, peak_flops, peak_bw):
     """Each kernel's tuning knobs (static arguments) on one shape: a row per setting."""
     rows = []
@@ -366,6 +397,7 @@ class Config:
             self.decode = [(4, 64, 8, 2, 64)]
             self.mla = [(2, 64, 16, 64, 16)]
             self.mixed = (4, 48, 1, 24, 40, 4, 2, 64)
+            self.fresh = ((24, 40), 4, 2, 64)
             self.sweep_shapes = ((1, 32, 32, 2, 1, 64), (2, 48, 4, 2, 64), self.mixed)
             self.flash_knobs = [dict(block_q=16, block_k=16)]
             self.decode_knobs = [dict(num_splits=2)]
@@ -379,6 +411,7 @@ class Config:
                            (4, 16384, 32, 8, 128), (32, 2048, 9, 3, 64)]
             self.mla = [(64, 2048, 16, 512, 64)]
             self.mixed = (64, 2048, 2, 512, 2048, 32, 8, 128)
+            self.fresh = ((512, 1536, 1024, 1024), 32, 8, 128)
             self.sweep_shapes = ((1, 4096, 4096, 32, 8, 128), (64, 4096, 32, 8, 128), self.mixed)
             self.flash_knobs = [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
                                 for bq, bk, w, st in ((64, 64, 4, 3), (128, 64, 4, 3),
@@ -404,6 +437,8 @@ def run_all(cfg, on_rows=None):
                lambda: bench_mla(cfg, peak_bw), lambda: bench_sweep(cfg, peak_flops, peak_bw)]
     if cfg.mixed:
         benches.insert(3, lambda: bench_ragged_mixed(cfg))
+    if cfg.fresh:
+        benches.insert(1, lambda: bench_fresh_prefill(cfg, peak_flops))
     for bench in benches:
         rows += bench()
         if on_rows:

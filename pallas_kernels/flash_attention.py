@@ -10,6 +10,13 @@ share a head's K/V in L2. Queries are the last `Tq` positions of a `Tk`-long con
 (`q_offset = Tk - Tq` by default: chunked prefill). Head dims that are not a power of
 two >= 16 are zero-padded (a copy of q, k, v), and so are sequences shorter than one tile.
 Softmax in float32; output in q's dtype.
+
+Variable-length batches (`segment_starts`, FlashAttention's varlen): one flat row of
+concatenated sequences, each row attending causally within its own sequence. A query tile
+then starts its key walk at the first row's sequence start; key tiles inside every row's
+sequence and causal window run unmasked, the ones at either end masked. `flash_prefill` is
+the engine's entry: a step whose every request starts at position 0 (a fresh prefill) as
+one such row.
 """
 
 from __future__ import annotations
@@ -37,18 +44,26 @@ def _compiler_params(num_warps, num_stages):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "causal", "q_offset", "block_q",
                                              "block_k", "num_warps", "num_stages", "interpret"))
-def flash_attention(q, k, v, *, sm_scale=None, causal=True, q_offset=None, block_q=None,
-                    block_k=None, num_warps=None, num_stages=3, interpret=False):
+def flash_attention(q, k, v, segment_starts=None, *, sm_scale=None, causal=True, q_offset=None,
+                    block_q=None, block_k=None, num_warps=None, num_stages=3, interpret=False):
     """q: [batch, Tq, H, D]; k, v: [batch, Tk, Hkv, D] with H % Hkv == 0.
 
     Query row r sits at position `q_offset + r` and, when `causal`, sees keys at
     positions <= its own. `sm_scale` defaults to D ** -0.5. Knobs (static): `block_q`,
     `block_k`, `num_warps`, `num_stages` (None: `_config`'s). Returns [batch, Tq, H, D].
+
+    `segment_starts` ([batch, T] int32, causal, Tq == Tk, q_offset 0): row r belongs to the
+    sequence starting at row `segment_starts[b, r]` (<= r; rows of one sequence are
+    contiguous and share it) and sees only keys in [segment_starts[b, r], r].
     """
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    varlen = segment_starts is not None
+    if varlen and (not causal or q_len != kv_len or q_offset not in (None, 0)
+                   or segment_starts.shape != (batch, q_len)):
+        raise ValueError("segment_starts needs causal attention, Tq == Tk, q_offset 0 and shape [batch, T]")
     q_offset = kv_len - q_len if q_offset is None else q_offset
     sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
     padded_dim = max(16, next_pow2(head_dim))
@@ -61,19 +76,24 @@ def flash_attention(q, k, v, *, sm_scale=None, causal=True, q_offset=None, block
     if q_len < bq or kv_len < bk:  # a sequence shorter than one tile: pad it to the tile
         q = jnp.pad(q, ((0, 0), (0, max(0, bq - q_len)), (0, 0), (0, 0)))
         k, v = (jnp.pad(x, ((0, 0), (0, max(0, bk - kv_len)), (0, 0), (0, 0))) for x in (k, v))
+    extra = [jnp.pad(segment_starts.astype(jnp.int32), ((0, 0), (0, q.shape[1] - q_len)))] if varlen else []
     num_q_tiles = -(-q_len // bq)
     group = num_heads // num_kv_heads
     scale = sm_scale * LOG2E  # folded into q: scores come out in base 2, softmax uses exp2
 
-    def kernel(q_ref, k_ref, v_ref, o_ref):
+    def kernel(q_ref, k_ref, v_ref, *refs):
+        seg_ref, o_ref = refs if varlen else (None, refs[0])
         i = num_q_tiles - 1 - pl.program_id(0)
         h, b = pl.program_id(1), pl.program_id(2)
         kv_head = h // group
         rows = i * bq + jnp.arange(bq, dtype=jnp.int32)
+        valid = rows < q_len
         q_idx = (b, pl.ds(i * bq, bq), h)
-        qt = pl_triton.load(q_ref.at[q_idx], mask=(rows < q_len)[:, None], other=0)
+        qt = pl_triton.load(q_ref.at[q_idx], mask=valid[:, None], other=0)
         qt = (qt.astype(jnp.float32) * scale).astype(qt.dtype)
         q_pos = q_offset + rows
+        if varlen:  # each row's sequence start; rows past the end count as their own sequence
+            seg = jnp.where(valid, pl_triton.load(seg_ref.at[b, pl.ds(i * bq, bq)], mask=valid, other=0), rows)
 
         def step(j, carry, masked):
             acc, m, l = carry
@@ -86,6 +106,8 @@ def flash_attention(q, k, v, *, sm_scale=None, causal=True, q_offset=None, block
                 visible = kpos[None, :] < kv_len
                 if causal:
                     visible &= kpos[None, :] <= q_pos[:, None]
+                if varlen:
+                    visible &= kpos[None, :] >= seg[:, None]
                 s = jnp.where(visible, dot_nt(qt, kt), -jnp.inf)
             else:  # every key visible to every row
                 kt, vt = k_ref[kv_idx], v_ref[kv_idx]
@@ -96,28 +118,53 @@ def flash_attention(q, k, v, *, sm_scale=None, causal=True, q_offset=None, block
             acc = acc * alpha[:, None] + dot_nn(p.astype(vt.dtype), vt)
             return acc, m_new, l * alpha + p.sum(axis=1)
 
-        # key tiles [0, full) are visible to all rows of this tile; [full, last) need masks
+        # key tiles [first, lo) and [hi, last) need masks; [lo, hi) are visible to every row of this
+        # tile (inside every row's sequence and causal window)
         last_key = jnp.minimum(kv_len, q_offset + (i + 1) * bq) if causal else kv_len
-        full = kv_len // bk
-        if causal:
-            full = jnp.minimum(full, jnp.maximum(q_offset + i * bq + 1, 0) // bk)
         last = (last_key + bk - 1) // bk
+        if varlen:
+            first = jnp.min(jnp.where(valid, seg, q_len)) // bk
+            lo = jnp.maximum(first, (jnp.max(jnp.where(valid, seg, 0)) + bk - 1) // bk)
+            hi = jnp.maximum(lo, (i * bq + 1) // bk)
+        else:
+            first = lo = 0
+            hi = kv_len // bk
+            if causal:
+                hi = jnp.minimum(hi, jnp.maximum(q_offset + i * bq + 1, 0) // bk)
         init = (jnp.zeros((bq, padded_dim), jnp.float32), jnp.full((bq,), NEG, jnp.float32),
                 jnp.zeros((bq,), jnp.float32))
-        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), init)
-        acc, _, l = lax.fori_loop(full, jnp.maximum(full, last), functools.partial(step, masked=True),
-                                  carry)
+        carry = lax.fori_loop(first, lo, functools.partial(step, masked=True), init) if varlen else init
+        carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+        acc, _, l = lax.fori_loop(hi, jnp.maximum(hi, last), functools.partial(step, masked=True), carry)
         out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
         pl_triton.store(o_ref.at[q_idx], out.astype(o_ref.dtype), mask=(rows < q_len)[:, None])
 
     out = pl.pallas_call(
         kernel,
         grid=(num_q_tiles, num_heads, batch),
-        in_specs=[pl.no_block_spec] * 3,
+        in_specs=[pl.no_block_spec] * (3 + len(extra)),
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_compiler_params(warps, num_stages),
         interpret=interpret,
         name="flash_attention",
-    )(q, k, v)
+    )(q, k, v, *extra)
     return out[:, :q_len, :, :head_dim]
+
+
+def prefill_segment_starts(query_start_loc, num_tokens: int):
+    """[T] int32: for each of the flat tokens of a step, the flat index of its request's first
+    token; padded tokens (past `query_start_loc[-1]`) are each their own sequence."""
+    qsl = query_start_loc.astype(jnp.int32)
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    request = jnp.clip(jnp.searchsorted(qsl, tokens, side="right") - 1, 0, qsl.shape[0] - 1)
+    return jnp.where(tokens < qsl[-1], qsl[request], tokens)
+
+
+def flash_prefill(q, k, v, segment_starts, *, sm_scale, interpret=False, **knobs):
+    """A fresh prefill step (every request starts at position 0): q [T, H, D] and its own k, v
+    [T, Hkv, D] (flat, requests concatenated), `segment_starts` from `prefill_segment_starts`.
+    Returns [T, H, D]; every row is written (padded tokens attend to themselves)."""
+    out = flash_attention(q[None], k[None], v[None], segment_starts[None], sm_scale=sm_scale,
+                          q_offset=0, interpret=interpret, **knobs)
+    return out[0]

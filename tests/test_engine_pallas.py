@@ -20,3 +20,33 @@ def test_pallas_interpret_matches_xla(preset):
     outputs = {backend: run_to_completion(e, PROMPTS, PARAMS) for backend, e in engines.items()}
     for ours, ref in zip(outputs["pallas-interpret"], outputs["xla"]):
         assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_fresh_prefill_steps_run_through_the_flash_kernel():
+    """The first step (three prompts from position 0) is a fresh prefill. With the flash path's
+    attention replaced by zeros the tokens change, so that step runs it; with the real kernel they
+    equal the XLA path's, so it is right there and the steps that are not fresh (a chunk
+    continuation, decodes: flash would miss their cached context) do not take it."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from llmjax.attention.backend import PrefillAttention
+    from llmjax.runner import _make_step_function
+
+    def engine(zero_prefill: bool):
+        e = tiny_engine("tiny-gqa", attention_backend="pallas-interpret", block_size=16, max_num_batched_tokens=32)
+        if zero_prefill:
+            runner, real = e.runner, e.runner.backend
+            zeros = PrefillAttention(real.prefill.plan, lambda q, k, v, plan, *, sm_scale: jnp.zeros_like(q))
+            backend = dataclasses.replace(real, name="pallas-interpret, prefill zeroed", prefill=zeros)
+            runner._step_fn, runner._traces = _make_step_function(runner.graphdef, backend, runner.block_size, None,
+                                                                  e.config.max_num_seqs)
+        return e
+
+    xla = run_to_completion(tiny_engine("tiny-gqa", block_size=16, max_num_batched_tokens=32), PROMPTS, PARAMS)
+    real = run_to_completion(engine(False), PROMPTS, PARAMS)
+    zeroed = run_to_completion(engine(True), PROMPTS, PARAMS)
+    tokens = lambda outs: [o.outputs[0].token_ids for o in outs]  # noqa: E731
+    assert tokens(real) == tokens(xla)
+    assert tokens(zeroed) != tokens(xla)

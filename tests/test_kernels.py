@@ -24,8 +24,8 @@ from jax.experimental.pallas import triton as pl_triton
 
 from tests.attention_cases import make_batch, random_cache, rng  # noqa: F401  (rng is a fixture)
 from llmjax.attention import get_attention_backend, xla
-from pallas_kernels import (flash_attention, mla_ragged_paged_attention, paged_attention,
-                            ragged_paged_attention)
+from pallas_kernels import (flash_attention, flash_prefill, mla_ragged_paged_attention, paged_attention,
+                            prefill_segment_starts, ragged_paged_attention)
 from pallas_kernels.platform import default_interpret, lower_for_cuda, on_gpu
 from pallas_kernels.ragged_paged_attention import plan_tiles
 
@@ -224,6 +224,44 @@ def test_flash(rng, q_len, kv_len, heads, kv_heads, head_dim, causal, dtype, blo
                           interpret=INTERPRET)
     assert out.shape == q.shape and out.dtype == dtype
     assert_matches(out, dense_attention(q, k, v, causal=causal, q_offset=kv_len - q_len), dtype)
+
+
+def varlen_reference(q, k, v, lens):
+    """Reference for a fresh prefill: each request (`lens` tokens, concatenated, then padding)
+    attends causally within itself (`dense_attention` per request); padded tokens, each its own
+    sequence, attend to themselves only (their output is their own v)."""
+    out, start = [], 0
+    for n in lens:
+        sl = slice(start, start + n)
+        out.append(dense_attention(q[None, sl], k[None, sl], v[None, sl], causal=True, q_offset=0)[0])
+        start += n
+    group = q.shape[1] // k.shape[1]
+    out.append(jnp.repeat(f32(v[start:])[0], group, axis=1))
+    return jnp.concatenate(out)
+
+
+@pytest.mark.parametrize("lens,num_tokens,heads,kv_heads,head_dim,dtype,blocks", [
+    ((5, 40, 1, 70, 17), 160, 4, 2, 32, jnp.float32, (16, 16)),  # requests across tiles, a padded tail
+    ((16, 16, 32), 64, 4, 4, 64, jnp.float32, (16, 16)),         # requests on tile boundaries
+    ((3, 200, 9), 256, 8, 1, 64, jnp.bfloat16, (None, None)),    # MQA, the default 128 x 64 tiles
+    ((7,), 8, 2, 2, 48, jnp.float32, (16, 16)),                  # one request, head dim padded
+])
+def test_flash_prefill_varlen(rng, lens, num_tokens, heads, kv_heads, head_dim, dtype, blocks):
+    q = jnp.asarray(rng.standard_normal((num_tokens, heads, head_dim)), dtype)
+    k = jnp.asarray(rng.standard_normal((num_tokens, kv_heads, head_dim)), dtype)
+    v = jnp.asarray(rng.standard_normal((num_tokens, kv_heads, head_dim)), dtype)
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    segments = prefill_segment_starts(qsl, num_tokens)
+    out = flash_prefill(q, k, v, segments, sm_scale=head_dim ** -0.5, block_q=blocks[0], block_k=blocks[1],
+                        interpret=INTERPRET)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_matches(out, varlen_reference(q, k, v, lens), dtype)
+
+
+def test_flash_prefill_lowers_for_cuda():
+    q, k = jnp.zeros((512, 9, 64), jnp.bfloat16), jnp.zeros((512, 3, 64), jnp.bfloat16)
+    segments = prefill_segment_starts(jnp.asarray([0, 100, 300, 450], jnp.int32), 512)
+    lowers_for_cuda(functools.partial(flash_prefill, sm_scale=0.125), q, k, k, segments)
 
 
 @pytest.mark.parametrize("head_dim,dtype", [(64, jnp.float32), (128, jnp.bfloat16)])

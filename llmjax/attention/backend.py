@@ -27,18 +27,32 @@ PALLAS_VERIFIED_JAX: tuple[str, ...] = ()  # JAX versions on which gpu_check.py 
 
 
 @dataclass(frozen=True)
+class PrefillAttention:
+    """Attention for a fresh prefill step (every request starts at position 0, so its context is
+    its own new tokens) on the new tokens' K/V, not the paged cache; GQA models only.
+    `plan(step)`: per-step metadata, once outside the layer scan; `attend(q [T, H, D], k, v
+    [T, Hkv, D], plan, *, sm_scale) -> [T, H, D]`, every row written."""
+
+    plan: Callable[..., Any]
+    attend: Callable[..., jax.Array]
+
+
+@dataclass(frozen=True)
 class AttentionBackend:
     """`plan(step, model_config, decode_only)`, when set, computes per-step metadata once,
     outside the layer scan; the model passes it to every layer's call as `plan=`.
     `reads_storage`: the functions take the cache arrays in their storage dtype (uint16 bits
     of a bfloat16 cache on CPU, see `cache_dtype`), as the pure-JAX and native paths do; False:
-    as values (bfloat16), as the Pallas kernels need. The two differ only on CPU."""
+    as values (bfloat16), as the Pallas kernels need. The two differ only on CPU.
+    `prefill`, when set, takes the steps that turn out fresh prefills at run time (the model
+    chooses with `lax.cond`); the others go to `ragged_paged_attention`."""
 
     name: str
     ragged_paged_attention: Callable[..., jax.Array]
     mla_ragged_paged_attention: Callable[..., jax.Array]
     plan: Callable[..., Any] | None = None
     reads_storage: bool = True
+    prefill: PrefillAttention | None = None
 
 
 def _pallas_plan(step, model_config, decode_only: bool):
@@ -90,8 +104,15 @@ def get_attention_backend(name: str | None = None) -> AttentionBackend:
                          f"{jax.default_backend()!r}); use 'pallas-interpret' or 'xla'")
     import pallas_kernels
     interpret = name == "pallas-interpret"
+
+    def flash_plan(step):
+        return pallas_kernels.prefill_segment_starts(step.query_start_loc, step.token_ids.shape[0])
+
+    def flash(q, k, v, segment_starts, *, sm_scale):
+        return pallas_kernels.flash_prefill(q, k, v, segment_starts, sm_scale=sm_scale, interpret=interpret)
+
     return AttentionBackend(
         name,
         functools.partial(pallas_kernels.ragged_paged_attention, interpret=interpret),
         functools.partial(pallas_kernels.mla_ragged_paged_attention, interpret=interpret),
-        plan=_pallas_plan, reads_storage=False)
+        plan=_pallas_plan, reads_storage=False, prefill=PrefillAttention(flash_plan, flash))

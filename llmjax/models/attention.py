@@ -73,6 +73,8 @@ class PagedContext:
     `backend` provides `ragged_paged_attention` and `mla_ragged_paged_attention`
     (see `llmjax.attention.backend`); `decode_only` is static (every request has one token);
     `plan`: the backend's per-step metadata (`backend.plan`), passed to every layer's call.
+    `prefill`: (whether the step is a fresh prefill, `backend.prefill.plan(step)`) when the
+    backend has a fresh-prefill path; the GQA layers then pick it or the ragged one at run time.
     """
 
     step: StepInput
@@ -81,6 +83,7 @@ class PagedContext:
     decode_only: bool = False
     absorb_mla: bool = True
     plan: Any = None
+    prefill: tuple[jax.Array, Any] | None = None
 
     def _write(self, cache_array: jax.Array, layer, values: jax.Array) -> jax.Array:
         blocks = self.step.slot_mapping // self.block_size
@@ -104,10 +107,21 @@ class PagedContext:
         k_cache, v_cache = cache
         k_cache = self._write(k_cache, layer, k)
         v_cache = self._write(v_cache, layer, v)
-        out = self.backend.ragged_paged_attention(  # q in the cache's value dtype, as the kernels expect
-            q.astype(value_dtype(k_cache.dtype)), self._read_view(k_cache), self._read_view(v_cache), layer,
-            *self._metadata(), sm_scale=scale, decode_only=self.decode_only, **self._plan(),
-        )
+        dtype = value_dtype(k_cache.dtype)  # q (and a fresh prefill's k, v) as the kernels expect
+
+        def ragged():
+            return self.backend.ragged_paged_attention(
+                q.astype(dtype), self._read_view(k_cache), self._read_view(v_cache), layer,
+                *self._metadata(), sm_scale=scale, decode_only=self.decode_only, **self._plan(),
+            )
+
+        if self.prefill is None:
+            out = ragged()
+        else:
+            fresh, prefill_plan = self.prefill
+            attend = self.backend.prefill.attend
+            out = jax.lax.cond(fresh, lambda: attend(q.astype(dtype), k.astype(dtype), v.astype(dtype), prefill_plan,
+                                                     sm_scale=scale), ragged)
         return out.astype(q.dtype), (k_cache, v_cache)
 
     def mla(self, q_latent, q_rope, latent, k_rope, layer, cache, scale):

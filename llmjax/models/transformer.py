@@ -97,7 +97,13 @@ class Transformer(nnx.Module):
     def forward_paged(self, cache: Cache, step: StepInput, backend, block_size: int, decode_only: bool = False):
         """One engine step: writes the new tokens' KV into `cache`, returns (logits `[S, V]`, cache)."""
         plan = backend.plan(step, self.config, decode_only) if getattr(backend, "plan", None) else None
-        ctx = PagedContext(step, backend, block_size, decode_only, plan=plan)  # plan: once, not per layer
+        prefill = None
+        if getattr(backend, "prefill", None) is not None and not decode_only and self.config.attention != "mla":
+            qsl = step.query_start_loc
+            fresh = jnp.all(step.seq_lens == qsl[1:] - qsl[:-1])  # every request's context is its new tokens
+            prefill = (fresh, backend.prefill.plan(step))
+        # plans: once per step, not per layer
+        ctx = PagedContext(step, backend, block_size, decode_only, plan=plan, prefill=prefill)
         hidden, cache = self._run_layers(self.embed(step.token_ids), step.positions, ctx, cache)
         return self.logits(hidden[step.logits_indices]), cache
 
