@@ -12,10 +12,14 @@ dispatch), update (the scheduler's `update_from_output`), output (text and delta
 wait for the device. Synchronous: host = wall - wait. Asynchronous: the next step is dispatched
 before the host waits for the previous one, so the host's work runs while the device computes;
 hidden share = (sync wall - async wall) / sync host time, i.e. how much of the host's time no
-longer adds to a step. On this CPU the "device" is XLA's threads on the same 2 cores as the Python
+longer adds to a step. The synchronous and asynchronous engines run side by side in one process,
+timed in alternating blocks, so both see the same machine. The share can pass 100%: a device step
+that follows the previous one at once (asynchronous) can take less time than one started after the
+device sat idle through the host's phases (its threads asleep, its data out of cache), and the
+synchronous wait counts that restart. On this CPU the "device" is XLA's threads on the same 2 cores as the Python
 thread, so overlap is limited by the cores as well as by the pipeline.
 
-    python experiments/host_overhead.py [--concurrency 64,256,1024] [--steps 40] [--repeats 3] [--quick]
+    python experiments/host_overhead.py [--concurrency 64,256,1024] [--steps 10] [--blocks 10] [--quick]
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from llmjax.provenance import results_dir, write_results  # noqa: E402
 PHASES = ("schedule", "prepare", "update", "output")
 OUTPUT_KINDS = ("delta", "final")
 TARGET_HOST_MS, TARGET_HIDDEN = 1.0, 0.9  # at 256 decodes
+MAX_TOKENS = 190  # 16 + 190 < the 256 tokens of KV each request has; more than the settling and timed steps
 
 
 def counters(engine) -> dict[str, float]:
@@ -45,8 +50,8 @@ def counters(engine) -> dict[str, float]:
             "output": engine.time_output, "wait": r.time_device}
 
 
-def measure(n: int, async_scheduling: bool, steps: int, output_kind: str) -> dict[str, float]:
-    """Seconds per steady decode step: wall and each phase."""
+def decoding_engine(n: int, async_scheduling: bool, output_kind: str):
+    """An engine with `n` requests admitted, prefilled and decoding (its decode bucket compiled)."""
     from llmjax.config import EngineConfig
     from llmjax.engine import LLMEngine
     from llmjax.sampling_params import RequestOutputKind, SamplingParams
@@ -60,8 +65,7 @@ def measure(n: int, async_scheduling: bool, steps: int, output_kind: str) -> dic
     engine = LLMEngine.from_config("tiny-gqa", config)
     rng = np.random.default_rng(0)
     kind = RequestOutputKind.DELTA if output_kind == "delta" else RequestOutputKind.FINAL_ONLY
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 150, ignore_eos=True,  # 16 + 190 < 256 a request
-                            output_kind=kind)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, output_kind=kind)
     for _ in range(n):
         engine.add_request(rng.integers(3, 500, 16).tolist(), params)
     while engine.scheduler.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids)
@@ -69,52 +73,68 @@ def measure(n: int, async_scheduling: bool, steps: int, output_kind: str) -> dic
         engine.step()
     for _ in range(8):  # compile and settle the decode-only bucket
         engine.step()
-    before, t0 = counters(engine), time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    wall = (time.perf_counter() - t0) / steps
-    after = counters(engine)
-    assert len(engine.scheduler.running) == n, "every request must still be decoding"
-    phases = {k: (after[k] - before[k]) / steps for k in after}
-    return {"wall": wall, **phases, "host": sum(phases[p] for p in PHASES)}
+    return engine
+
+
+def measure(n: int, output_kind: str, blocks: int, steps: int) -> dict:
+    """Seconds per steady decode step (wall and each phase) of a synchronous and an asynchronous
+    engine, timed in alternating blocks of `steps` steps (so both see the same machine); each field
+    is its median over the blocks; `hidden_pairs`: the hidden share of each pair of blocks."""
+    engines = {mode: decoding_engine(n, mode == "async", output_kind) for mode in ("sync", "async")}
+    samples: dict[str, list[dict]] = {"sync": [], "async": []}
+    for block in range(blocks):
+        for mode in ("sync", "async") if block % 2 == 0 else ("async", "sync"):
+            engine = engines[mode]
+            before, t0 = counters(engine), time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            wall = (time.perf_counter() - t0) / steps
+            after = counters(engine)
+            samples[mode].append({"wall": wall, **{k: (after[k] - before[k]) / steps for k in after}})
+    for engine in engines.values():
+        assert len(engine.scheduler.running) == n, "every request must still be decoding"
+    pairs = [(s["wall"] - a["wall"]) / (s["wall"] - s["wait"]) for s, a in zip(samples["sync"], samples["async"])]
+    out = {mode: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for mode, runs in samples.items()}
+    for r in out.values():
+        r["host"] = sum(r[p] for p in PHASES)
+    return {**out, "hidden_pairs": pairs}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="64,256,1024")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--repeats", type=int, default=3, help="runs per setting; the median run (by wall) is kept")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 64 and 256, 10 steps, 1 repeat; written to "
+    ap.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    ap.add_argument("--blocks", type=int, default=10, help="timed blocks per mode, sync and async alternating")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 64 and 256, 2 blocks of 5 steps; written to "
                     "build/results-quick/")
     args = ap.parse_args()
     if args.quick:
-        args.concurrency, args.steps, args.repeats = "64,256", 10, 1
+        args.concurrency, args.steps, args.blocks = "64,256", 5, 2
+    if 8 + args.blocks * args.steps + 8 > MAX_TOKENS:
+        ap.error(f"blocks x steps must stay below {MAX_TOKENS - 16} (each request's output length)")
     levels = [int(c) for c in args.concurrency.split(",")]
     rows = []
-    bar = tqdm(total=len(levels) * len(OUTPUT_KINDS) * 2 * args.repeats, desc="settings", unit="run")
+    bar = tqdm(total=len(levels) * len(OUTPUT_KINDS), desc="settings", unit="setting")
     for n in levels:
         for kind in OUTPUT_KINDS:
-            row = {"concurrency": n, "outputs": kind}
-            for mode in ("sync", "async"):
-                runs = []
-                for _ in range(args.repeats):
-                    bar.set_postfix_str(f"{n} decodes, {kind} outputs, {mode}")
-                    runs.append(measure(n, mode == "async", args.steps, kind))
-                    bar.update()
-                row[mode] = sorted(runs, key=lambda r: r["wall"])[len(runs) // 2]
-            s, a = row["sync"], row["async"]
+            bar.set_postfix_str(f"{n} decodes, {kind} outputs")
+            row = {"concurrency": n, "outputs": kind, **measure(n, kind, args.blocks, args.steps)}
+            s = row["sync"]
             row["sync_host_ms"] = 1e3 * (s["wall"] - s["wait"])
-            row["hidden"] = (s["wall"] - a["wall"]) / (s["wall"] - s["wait"])
+            row["hidden"] = statistics.median(row["hidden_pairs"])
             rows.append(row)
+            bar.update()
     bar.close()
 
     head = ("| decodes | outputs | mode | wall ms/step | " + " | ".join(f"{p} ms" for p in PHASES)
-            + " | wait ms | host ms (wall - wait) | hidden |")
+            + " | wait ms | host ms (wall - wait) | hidden (range over block pairs) |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for row in rows:
         for mode in ("sync", "async"):
             r = row[mode]
-            hidden = f"{100 * row['hidden']:.0f}%" if mode == "async" else ""
+            pairs = row["hidden_pairs"]
+            hidden = (f"{100 * row['hidden']:.0f}% ({100 * min(pairs):.0f} to {100 * max(pairs):.0f}%)"
+                      if mode == "async" else "")
             lines.append(f"| {row['concurrency']} | {row['outputs']} | {mode} | {1e3 * r['wall']:.2f} | "
                          + " | ".join(f"{1e3 * r[p]:.3f}" for p in PHASES)
                          + f" | {1e3 * r['wait']:.2f} | {1e3 * (r['wall'] - r['wait']):.2f} | {hidden} |")
@@ -130,12 +150,13 @@ def main() -> None:
             f"{'met' if r['hidden'] >= TARGET_HIDDEN else 'not met'}).")
     body = "\n".join([
         f"`python experiments/host_overhead.py --concurrency {args.concurrency} --steps {args.steps} "
-        f"--repeats {args.repeats}`", "",
-        "Steady decode steps of `tiny-gqa` (random weights, 4 layers, hidden 256): seconds per step by phase "
-        f"(median of {args.repeats} runs of {args.steps} steps). Outputs: `delta`, one delta output per request "
+        f"--blocks {args.blocks}`", "",
+        "Steady decode steps of `tiny-gqa` (random weights, 4 layers, hidden 256): seconds per step by phase, "
+        f"the median over {args.blocks} blocks of {args.steps} steps, a synchronous and an asynchronous engine "
+        "timed in alternating blocks. Outputs: `delta`, one delta output per request "
         "every step (streams); `final`, FINAL_ONLY (the offline API, non-streamed responses). Host = wall - wait "
         "(synchronous: the host's phases run one after another with the device idle); hidden = (sync wall - "
-        "async wall) / sync host.", "",
+        "async wall) / sync host, per pair of neighbouring blocks, median and range.", "",
         *lines, "", *findings, "", "![host time per step](host_overhead.png)",
     ])
     out = results_dir(args.quick)
