@@ -222,6 +222,15 @@ def synergy(d: dict, n: Numbers) -> str:
             + f"; the full engine {n(rows[-1]['vs_hf'], '.2f')}x HF")
 
 
+def triton_sm90(d: dict, n: Numbers) -> str:
+    summary = d["summary"]
+    defaults = [r for r in d["rows"] if "registers" in r and r["knobs"] == "default"]
+    return (f"{n(summary['compiled'], 'd')} of {n(summary['calls'], 'd')} Triton calls compile for sm_90 with the "
+            f"`triton` package; {n(summary['spilling'], 'd')} spill; at the default knobs "
+            f"{n.span([r['registers'] for r in defaults], 'd')} registers a thread, "
+            f"{n.span([r['blocks_per_sm'] for r in defaults], 'd')} blocks per SM")
+
+
 # (README label, JSON path under the repository, formatter)
 ROWS: list[tuple[str, str, Formatter]] = [
     ("[offline_throughput](results/offline_throughput.md)", "results/offline_throughput.json", offline_throughput),
@@ -237,6 +246,7 @@ ROWS: list[tuple[str, str, Formatter]] = [
     ("[kv_bookkeeping](results/kv_bookkeeping.md)", "results/kv_bookkeeping.json", kv_bookkeeping),
     ("[host_overhead](results/host_overhead.md)", "results/host_overhead.json", host_overhead),
     ("[kernel_bench](results/gpu/kernel_bench.md) (GPU)", "results/gpu/kernel_bench.json", kernel_bench),
+    ("[triton_sm90](results/triton_sm90.md) (GPU kernels compiled offline)", "results/triton_sm90.json", triton_sm90),
     ("[batching](results/batching.md)", "results/batching.json", batching),
     ("[chunked_prefill](results/chunked_prefill.md)", "results/chunked_prefill.json", chunked_prefill),
     ("[attention_variants](results/attention_variants.md)", "results/attention_variants.json", attention_variants),
