@@ -100,9 +100,5 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def num_tokens_to_compute(self) -> int:
-        return self.num_tokens + self.num_pending - self.num_computed_tokens
-
-    @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASON[self.status]
