@@ -13,7 +13,11 @@ from typing import Any, Sequence
 
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers.decoders import DecodeStream
+
+try:  # tokenizers >= 0.21 (what the project asks for); an older one, as on a machine with its own
+    from tokenizers.decoders import DecodeStream  # environment, decodes windowed
+except ImportError:
+    DecodeStream = None
 
 from llmjax.models.loader import ModelSource
 
@@ -143,7 +147,7 @@ class IncrementalDetokenizer:
         backend = getattr(getattr(tokenizer, "hf", None), "_tokenizer", None)
         if isinstance(tokenizer, CharTokenizer):
             self.add = tokenizer.token_to_text
-        elif isinstance(backend, tokenizers.Tokenizer):
+        elif isinstance(backend, tokenizers.Tokenizer) and DecodeStream is not None:
             self._backend = backend
             self._step = DecodeStream(skip_special_tokens=skip_special_tokens).step
             try:
