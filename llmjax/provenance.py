@@ -20,6 +20,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("jax", "jaxlib", "flax", "numpy", "torch", "transformers")
+# What experiments write (their reports, and README's results table built from them): a change there
+# does not change what produced a result, so it does not make the tree dirty.
+OUTPUT_PATHS = ("results/", "README.md")
 
 
 def results_dir(quick: bool = False) -> Path:
@@ -65,9 +68,12 @@ def _version(package: str) -> str | None:
 
 def provenance() -> dict:
     """{"commit", "dirty", "command", "date_utc", "machine": {"cores", "cpu", "memory_gib", "platform"},
-    "versions": {"python", "jax", ...}, "torch_threads"}; dirty is True when tracked files differ from the commit (the
-    result may then not be reproducible from `commit` alone; dirty_paths says which files differ)."""
+    "versions": {"python", "jax", ...}, "torch_threads"}; dirty is True when tracked files other than
+    experiment outputs (`OUTPUT_PATHS`: say, the results of an earlier script of the same run) differ from
+    the commit (the result may then not be reproducible from `commit` alone; dirty_paths says which)."""
     status = _git("status", "--porcelain", "--untracked-files=no")
+    if status is not None:
+        status = "\n".join(line for line in status.splitlines() if not line[3:].startswith(OUTPUT_PATHS))
     argv = getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]  # orig_argv keeps `-m module`
     try:
         cores = len(os.sched_getaffinity(0))
