@@ -13,7 +13,10 @@ Systems, each timed after a warm-up (no compilation in the timed pass; the count
      decodes one sequence), when the package is installed.
 llmjax's configurations run `--repeats` times; HF's grid is screened with one pass per configuration,
 then the fastest configuration of each dtype runs `--repeats` times in all (`--no-hf-screen`: every
-configuration `--repeats` times). The table gives the median and the range of output tokens/s. The roofline: each dtype's matmul peak measured on the model's own matmul shapes (best of
+configuration `--repeats` times). The table gives the median and the range of output tokens/s. Then
+llmjax's best and HF's best run `--pairs` more times each, alternately (ABBA order, so a drift in the
+machine's speed during the run weighs on both alike); the headline ratio is the median of the pairs'
+ratios, each pair timed within a minute or two, not the ratio of two medians taken far apart. The roofline: each dtype's matmul peak measured on the model's own matmul shapes (best of
 several runs, XLA for llmjax and torch for HF), the achieved model FLOP/s of every system against
 its own precision's peak, and a steady 64-request decode step of llmjax against its peak.
 
@@ -23,7 +26,7 @@ orders, screened): pick a subset with the flags, watch the progress bar's ETA.
 
     python experiments/offline_throughput.py [--workload default|equal] [--num-requests N]
         [--hf-dtypes float32,bfloat16] [--hf-batch-sizes 8,16,32,64,128] [--hf-orders arrival,sorted]
-        [--repeats 3] [--systems llmjax-default,llmjax-best,hf,llama.cpp] [--out-name NAME]
+        [--repeats 3] [--pairs 3] [--systems llmjax-default,llmjax-best,hf,llama.cpp] [--out-name NAME]
 """
 
 from __future__ import annotations
@@ -265,6 +268,8 @@ def main() -> None:
     parser.add_argument("--hf-orders", default="arrival,sorted", help="arrival and/or sorted (by prompt length)")
     parser.add_argument("--llmjax-best", default=DEFAULT_BEST, help="EngineConfig fields of llmjax's best setting")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="passes of llmjax's best and HF's best, alternately, for the paired ratio (0: none)")
     parser.add_argument("--hf-screen", action=argparse.BooleanOptionalAction, default=True,
                         help="one pass per HF configuration, then --repeats passes of each dtype's fastest")
     parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="llmjax's KV pool in both settings")
@@ -290,7 +295,8 @@ def main() -> None:
     plan += [("llama.cpp", None)] if "llama.cpp" in systems else []
     hf_passes = (len(hf_grid) + (args.repeats - 1) * len({d for d, _, _ in hf_grid})) if args.hf_screen \
         else len(hf_grid) * args.repeats
-    total_passes = (len(plan) - len(hf_grid)) * args.repeats + hf_passes
+    pairs = args.pairs if hf_grid and any(s.startswith("llmjax") for s in systems) else 0
+    total_passes = (len(plan) - len(hf_grid)) * args.repeats + hf_passes + 2 * pairs
     print(f"{n_req} requests, {total_out} output tokens; {len(plan)} configurations, {total_passes} timed passes")
 
     import jax
@@ -303,6 +309,7 @@ def main() -> None:
     runs: dict[str, dict] = {}
     hf_models = HFModels() if hf_grid else None
     reference_tokens: dict[str, list[list[int]]] = {}
+    engines: dict[str, LLMJaxRun] = {}  # kept for the paired passes
     bar = tqdm(total=total_passes, desc="timed passes", unit="pass")
 
     def hf_passes_of(name, dtype, batch, order, count):
@@ -332,7 +339,7 @@ def main() -> None:
             runs[system] = dict(times=times, tokens=tokens, compiles=compiles, dtype=dtype,
                                 settings={k: v for k, v in run.settings.items()},
                                 decode_step_flops=decode_flops, decode_step_s=decode_s)
-            del run
+            engines[system] = run
         elif system == "hf":
             dtype, batch, order = conf
             name = f"hf {dtype} batch {batch} {order}"
@@ -354,6 +361,8 @@ def main() -> None:
             name = min((k for k in runs if k.startswith(f"hf {dtype} ")), key=lambda k: runs[k]["times"][0])
             r = runs[name]
             hf_passes_of(name, dtype, r["batch"], r["order"], args.repeats - 1)
+    paired = paired_passes(runs, engines, hf_models, pairs, prompts, outputs, bar) if pairs else None
+    engines.clear()
     bar.close()
 
     print("measuring matmul peaks on the model's shapes")
@@ -366,14 +375,45 @@ def main() -> None:
             for rows in (64, 512):
                 peaks[f"{lib} {dtype} {rows}"] = matmul_peak(cfg, lib, dtype, rows)
 
-    report, data = summarize(args, runs, peaks, flops, total_out, n_req, hf_models, reference_tokens)
+    report, data = summarize(args, runs, peaks, flops, total_out, n_req, hf_models, reference_tokens, paired)
     name = args.out_name or ("offline_throughput_equal" if args.workload == "equal" else "offline_throughput")
     write_results(results_dir(), name, "# Offline throughput\n\n" + report, data)
     plot(runs, total_out, results_dir() / f"{name}.png")
     print(report)
 
 
-def summarize(args, runs, peaks, flops, total_out, n_req, hf_models, reference_tokens):
+def paired_passes(runs, engines, hf_models, pairs, prompts, outputs, bar) -> dict:
+    """`pairs` passes each of llmjax's best and HF's best configuration (by median so far), alternately
+    in ABBA order; {"llmjax", "hf": the configurations, "llmjax_s", "hf_s": their seconds by pair,
+    "ratios": HF's seconds over llmjax's, pair by pair, "compiles": llmjax's compilations}."""
+    def best_of(prefix):
+        return min((k for k in runs if k.startswith(prefix)), key=lambda k: statistics.median(runs[k]["times"]))
+
+    ours, hf = best_of("llmjax"), best_of("hf ")
+    run, conf = engines[ours], runs[hf]
+    result = dict(llmjax=ours, hf=hf, llmjax_s=[], hf_s=[], compiles=0)
+
+    def pass_of(system):
+        bar.set_postfix_str(f"paired: {system}")
+        if system == "llmjax":
+            seconds, _, compiles = run.timed(prompts, outputs)
+            result["compiles"] += compiles
+        else:
+            t = time.perf_counter()
+            hf_models.generate(conf["dtype"], conf["batch"], conf["order"], prompts, outputs)
+            seconds = time.perf_counter() - t
+        result[f"{system}_s"].append(seconds)
+        bar.update()
+
+    for i in range(pairs):
+        for system in (("llmjax", "hf") if i % 2 == 0 else ("hf", "llmjax")):
+            pass_of(system)
+    result["ratios"] = [h / o for h, o in zip(result["hf_s"], result["llmjax_s"])]
+    result["ratio_median"] = statistics.median(result["ratios"])
+    return result
+
+
+def summarize(args, runs, peaks, flops, total_out, n_req, hf_models, reference_tokens, paired=None):
     def med(r):
         return statistics.median(r["times"])
 
@@ -434,12 +474,20 @@ def summarize(args, runs, peaks, flops, total_out, n_req, hf_models, reference_t
                      f"512 rows) this workload takes "
                      f"{flops / peak:.1f} s, so no engine on these matmuls can exceed {hf_s / (flops / peak):.1f}x "
                      f"HF's best here; llmjax's best reached {hf_s / med(ours):.2f}x.")
+    if paired:
+        r = paired["ratios"]
+        notes.append(f"Paired passes ({len(r)} pairs, ABBA order): {paired['llmjax']} against {paired['hf']}, "
+                     f"output tok/s {' / '.join(f'{total_out / s:.1f}' for s in paired['llmjax_s'])} against "
+                     f"{' / '.join(f'{total_out / s:.1f}' for s in paired['hf_s'])}; ratio by pair "
+                     f"{' / '.join(f'{x:.2f}' for x in r)}x, median **{paired['ratio_median']:.2f}x** "
+                     f"({paired['compiles']} compilations in llmjax's passes).")
     data = {
         "workload": args.workload, "num_requests": n_req, "output_tokens": total_out, "model_flops": flops,
         "repeats": args.repeats, "peaks_flops": peaks,
         "runs": {k: {kk: vv for kk, vv in r.items() if kk != "tokens"} for k, r in runs.items()},
         "hf_screen": args.hf_screen,
         "best": best,
+        "paired": paired,
     }
     if "hf" in best and "llmjax" in best:  # the headline keys read by experiments/results_table.py
         ours = runs[best["llmjax"]]

@@ -69,9 +69,12 @@ def offline_throughput(d: dict, n: Numbers) -> str:
     hf, best = d["hf_s"], d["hf_best"]
     same = (f", greedy outputs identical to HF {d['llmjax_dtype']} for {n(d['identical'], 'd')} of "
             f"{n(d['num_requests'], 'd')} requests" if d.get("identical") is not None else "")
+    paired = d.get("paired")
+    ratio = (f"{n(paired['ratio_median'], '.2f')}x (the median over pairs of passes timed back to back, "
+             f"{n.span(paired['ratios'], '.2f')}x)" if paired else f"{n.ratio(hf[str(best['batch'])], d['llmjax_s'])}x")
     return (f"SmolLM2 on this CPU, {d['workload']} workload ({n(d['num_requests'], 'd')} requests, "
             f"{n(d['output_tokens'], 'd')} output tokens): llmjax in {d['llmjax_dtype']} "
-            f"{n.ratio(hf[str(best['batch'])], d['llmjax_s'])}x the output tokens/s of HF `generate` at its best "
+            f"{ratio} the output tokens/s of HF `generate` at its best "
             f"({best['dtype']}, batch {n(best['batch'], 'd')} of {' / '.join(n(float(b), '.0f') for b in hf)}, "
             f"{best['order']} order){same}; {n.ratio(d['achieved_flops'], d['peak_flops'], '.0%')} of the machine's "
             f"{d['llmjax_dtype']} matmul peak (its steady decode step "
