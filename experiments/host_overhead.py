@@ -7,8 +7,8 @@ prefilled, then `--steps` steady decode steps are timed, each with all N request
 setting runs with both output kinds: `delta` (a delta output per request every step, as streams
 get) and `final` (`RequestOutputKind.FINAL_ONLY`: outputs only when a request finishes, as the
 offline `LLM` and non-streamed responses get; no request finishes in the timed steps). Phases
-(seconds per step, from the engine's and runner's counters): schedule, prepare (input building and
-dispatch), update (the scheduler's `update_from_output`), output (text and delta outputs), and the
+(seconds per step, from the engine's and runner's counters): schedule, prepare (input building),
+dispatch (the jitted call, which starts the step and returns), update (the scheduler's `update_from_output`), output (text and delta outputs), and the
 wait for the device. Synchronous: host = wall - wait. Asynchronous: the next step is dispatched
 before the host waits for the previous one, so the host's work runs while the device computes;
 hidden share = (sync wall - async wall) / sync host time, i.e. how much of the host's time no
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from llmjax.provenance import results_dir, write_results  # noqa: E402
 
-PHASES = ("schedule", "prepare", "update", "output")
+PHASES = ("schedule", "prepare", "dispatch", "update", "output")
 OUTPUT_KINDS = ("delta", "final")
 TARGET_HOST_MS, TARGET_HIDDEN = 1.0, 0.9  # at 256 decodes
 MAX_TOKENS = 190  # 16 + 190 < the 256 tokens of KV each request has; more than the settling and timed steps
@@ -46,7 +46,8 @@ MAX_TOKENS = 190  # 16 + 190 < the 256 tokens of KV each request has; more than 
 
 def counters(engine) -> dict[str, float]:
     r = engine.runner
-    return {"schedule": engine.time_schedule, "prepare": r.time_prepare, "update": engine.time_update,
+    return {"schedule": engine.time_schedule, "prepare": r.time_prepare, "dispatch": r.time_dispatch,
+            "update": engine.time_update,
             "output": engine.time_output, "wait": r.time_device}
 
 
@@ -179,7 +180,7 @@ def plot(rows, path: Path) -> None:
     for row in rows:
         for mode in ("sync", "async"):
             r, bottom = row[mode], 0.0
-            for phase, color in zip(PHASES, ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+            for phase, color in zip(PHASES, ("tab:blue", "tab:orange", "tab:purple", "tab:green", "tab:red")):
                 ax.bar(x, 1e3 * r[phase], bottom=bottom, color=color, label=phase if x == 0 else None)
                 bottom += 1e3 * r[phase]
             labels.append(f"{row['concurrency']}\n{row['outputs']}\n{mode}")

@@ -69,7 +69,7 @@ class _SequenceState:
     cumulative_logprob: float = 0.0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Parent:
     """A request as the caller sees it: its n samples (`children`, sample i at index i) and their
     text states (`texts[i]`)."""
@@ -116,7 +116,7 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        # host seconds by phase (the runner adds time_prepare and time_device, its wait for results)
+        # host seconds by phase (the runner adds time_prepare, time_dispatch and time_device, its wait for results)
         self.time_schedule = 0.0
         self.time_update = 0.0  # the scheduler's update_from_output
         self.time_output = 0.0  # text, stop strings, delta outputs

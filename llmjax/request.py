@@ -25,13 +25,13 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self is not RequestStatus.WAITING and self is not RequestStatus.RUNNING
+        return self is not _WAITING and self is not _RUNNING
 
 
-_FINISH_REASON = {status: status.value if status.finished else None for status in RequestStatus}
+_WAITING, _RUNNING = RequestStatus.WAITING, RequestStatus.RUNNING  # read per request per step: plain globals
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """Prompt and output token ids, progress, status, timings.
 
@@ -101,4 +101,5 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        return _FINISH_REASON[self.status]
+        status = self.status  # no enum hashing (a Python-level __hash__) per request per step
+        return None if status is _RUNNING or status is _WAITING else status._value_

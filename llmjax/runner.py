@@ -184,7 +184,8 @@ class ModelRunner:
         self._scratch_row = config.max_num_seqs
         self._no_tokens = self._replicated(np.zeros(config.max_num_seqs, np.int32))  # no previous step
         self.num_compiles = 0
-        self.time_prepare = 0.0  # host: building inputs and dispatching
+        self.time_prepare = 0.0  # host: building the step's inputs
+        self.time_dispatch = 0.0  # host: the jitted call, which starts the step and returns
         self.time_device = 0.0  # host waiting for the device in `fetch`
         mesh = None if self.layout is None else self.layout.mesh
         structure = (str(jax.tree.structure(model.params)),
@@ -303,9 +304,12 @@ class ModelRunner:
         sampled tokens the scheduler's `token_source` points into (None: no token is on the device)."""
         t0 = time.perf_counter()
         step, sampling, decode_only, num_top = self.prepare(out)
+        t1 = time.perf_counter()
         tokens, packed = self.run(step, sampling, decode_only, num_top,
                                   None if previous is None else previous.tokens)
-        self.time_prepare += time.perf_counter() - t0
+        t2 = time.perf_counter()
+        self.time_prepare += t1 - t0
+        self.time_dispatch += t2 - t1
         return InFlight(len(out.requests), num_top, tokens, packed)
 
     def fetch(self, inflight: InFlight) -> StepResult:
