@@ -108,3 +108,19 @@ def test_results_files_are_stamped_with_commit_command_and_machine(tmp_path):
     assert prov["versions"]["numpy"] == np.__version__
     text = (tmp_path / "x.md").read_text()
     assert text.startswith("# X\n\nbody\n") and f"commit: {head[:12]}" in text and "## Provenance" in text
+
+
+def test_provenance_counts_code_changes_as_dirty_but_not_experiment_outputs(monkeypatch):
+    from llmjax import provenance
+
+    def status(lines):
+        return lambda *args: ("\n".join(lines) if args[0] == "status" else "0" * 40)
+
+    monkeypatch.setattr(provenance, "_git", status([" M results/batching.md", " M README.md"]))
+    prov = provenance.provenance()
+    assert prov["dirty"] is False and prov["dirty_paths"] == []
+    monkeypatch.setattr(provenance, "_git", status([" M results/batching.json", " M llmjax/engine.py",
+                                                    " M docs/architecture.md"]))
+    prov = provenance.provenance()
+    assert prov["dirty"] is True and prov["dirty_paths"] == ["llmjax/engine.py", "docs/architecture.md"]
+    assert "with uncommitted changes to llmjax/engine.py, docs/architecture.md" in provenance.provenance_markdown(prov)
