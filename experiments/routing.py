@@ -326,7 +326,7 @@ def sim_summary(outcome: SimOutcome, trace: list[TraceRequest]) -> dict:
     return {"hit_rate": sum(s.hit_tokens for s in stats) / queried if queried else 0.0,
             "ttft_p50_ms": ttft["p50"], "ttft_mean_ms": ttft["mean"], "ttft_p99_ms": ttft["p99"],
             "throughput_rps": len(finished) / duration, "throughput_tok_s": tokens / duration,
-            "requests_per_replica": [len(r.targets) for r in reps], **load_stats(outcome.samples)}
+            "requests_per_replica": [r.submitted for r in reps], **load_stats(outcome.samples)}
 
 
 def sim_part(args: argparse.Namespace) -> dict[int, dict[str, dict]]:

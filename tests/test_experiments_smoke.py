@@ -124,3 +124,17 @@ def test_provenance_counts_code_changes_as_dirty_but_not_experiment_outputs(monk
     prov = provenance.provenance()
     assert prov["dirty"] is True and prov["dirty_paths"] == ["llmjax/engine.py", "docs/architecture.md"]
     assert "with uncommitted changes to llmjax/engine.py, docs/architecture.md" in provenance.provenance_markdown(prov)
+
+
+def test_routing_simulation_routes_every_request_and_cache_aware_hits_more():
+    import argparse
+
+    import routing
+
+    args = argparse.Namespace(sim_replicas=[2], per_group=4, sim_prefix_len=256, sim_suffix_len=16,
+                              sim_output_len=4, sim_rate=3.0, seed=0)
+    by_policy = routing.sim_part(args)[2]
+    n = 4 * 2 * args.per_group  # sim_trace: 4 prefix groups per replica
+    for summary in by_policy.values():
+        assert sum(summary["requests_per_replica"]) == n and 0.0 <= summary["hit_rate"] <= 1.0
+    assert by_policy["cache_aware"]["hit_rate"] > by_policy["round_robin"]["hit_rate"]
