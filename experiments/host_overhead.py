@@ -17,7 +17,10 @@ timed in alternating blocks, so both see the same machine. The share can pass 10
 that follows the previous one at once (asynchronous) can take less time than one started after the
 device sat idle through the host's phases (its threads asleep, its data out of cache), and the
 synchronous wait counts that restart. On this CPU the "device" is XLA's threads on the same 2 cores as the Python
-thread, so overlap is limited by the cores as well as by the pipeline.
+thread, so overlap is limited by the cores as well as by the pipeline. For the same reason a phase's
+wall time can include stretches where XLA's threads had the Python thread's core: `cpu` is the
+engine thread's own CPU time per step (`time.thread_time`), the host work itself, which is what a
+host whose device does not share its cores would spend.
 
     python experiments/host_overhead.py [--concurrency 64,256,1024] [--steps 10] [--blocks 10] [--quick]
 """
@@ -86,12 +89,12 @@ def measure(n: int, output_kind: str, blocks: int, steps: int) -> dict:
     for block in range(blocks):
         for mode in ("sync", "async") if block % 2 == 0 else ("async", "sync"):
             engine = engines[mode]
-            before, t0 = counters(engine), time.perf_counter()
+            before, t0, c0 = counters(engine), time.perf_counter(), time.thread_time()
             for _ in range(steps):
                 engine.step()
-            wall = (time.perf_counter() - t0) / steps
+            wall, cpu = (time.perf_counter() - t0) / steps, (time.thread_time() - c0) / steps
             after = counters(engine)
-            samples[mode].append({"wall": wall, **{k: (after[k] - before[k]) / steps for k in after}})
+            samples[mode].append({"wall": wall, "cpu": cpu, **{k: (after[k] - before[k]) / steps for k in after}})
     for engine in engines.values():
         assert len(engine.scheduler.running) == n, "every request must still be decoding"
     pairs = [(s["wall"] - a["wall"]) / (s["wall"] - s["wait"]) for s, a in zip(samples["sync"], samples["async"])]
@@ -122,13 +125,14 @@ def main() -> None:
             row = {"concurrency": n, "outputs": kind, **measure(n, kind, args.blocks, args.steps)}
             s = row["sync"]
             row["sync_host_ms"] = 1e3 * (s["wall"] - s["wait"])
+            row["sync_cpu_ms"] = 1e3 * s["cpu"]
             row["hidden"] = statistics.median(row["hidden_pairs"])
             rows.append(row)
             bar.update()
     bar.close()
 
     head = ("| decodes | outputs | mode | wall ms/step | " + " | ".join(f"{p} ms" for p in PHASES)
-            + " | wait ms | host ms (wall - wait) | hidden (range over block pairs) |")
+            + " | wait ms | host ms (wall - wait) | host thread CPU ms | hidden (range over block pairs) |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for row in rows:
         for mode in ("sync", "async"):
@@ -138,7 +142,7 @@ def main() -> None:
                       if mode == "async" else "")
             lines.append(f"| {row['concurrency']} | {row['outputs']} | {mode} | {1e3 * r['wall']:.2f} | "
                          + " | ".join(f"{1e3 * r[p]:.3f}" for p in PHASES)
-                         + f" | {1e3 * r['wait']:.2f} | {1e3 * (r['wall'] - r['wait']):.2f} | {hidden} |")
+                         + f" | {1e3 * r['wait']:.2f} | {1e3 * (r['wall'] - r['wait']):.2f} | {1e3 * r['cpu']:.2f} | {hidden} |")
     findings = []
     for r in rows:
         if r["concurrency"] != 256:
@@ -146,8 +150,10 @@ def main() -> None:
         findings.append(
             f"At 256 decodes with {r['outputs']} outputs the synchronous step spends {r['sync_host_ms']:.2f} ms on "
             f"the host (target <= {TARGET_HOST_MS:.1f} ms: "
-            f"{'met' if r['sync_host_ms'] <= TARGET_HOST_MS else 'not met'}), and asynchronous scheduling hides "
-            f"{100 * r['hidden']:.0f}% of it (target >= {100 * TARGET_HIDDEN:.0f}%: "
+            f"{'met' if r['sync_host_ms'] <= TARGET_HOST_MS else 'not met'}), of which the engine thread's own CPU "
+            f"time is {r['sync_cpu_ms']:.2f} ms ({'met' if r['sync_cpu_ms'] <= TARGET_HOST_MS else 'not met'} on "
+            f"that measure; the rest is XLA's threads holding the shared cores), and asynchronous scheduling hides "
+            f"{100 * r['hidden']:.0f}% of the wall-clock host time (target >= {100 * TARGET_HIDDEN:.0f}%: "
             f"{'met' if r['hidden'] >= TARGET_HIDDEN else 'not met'}).")
     body = "\n".join([
         f"`python experiments/host_overhead.py --concurrency {args.concurrency} --steps {args.steps} "
@@ -157,7 +163,9 @@ def main() -> None:
         "timed in alternating blocks. Outputs: `delta`, one delta output per request "
         "every step (streams); `final`, FINAL_ONLY (the offline API, non-streamed responses). Host = wall - wait "
         "(synchronous: the host's phases run one after another with the device idle); hidden = (sync wall - "
-        "async wall) / sync host, per pair of neighbouring blocks, median and range.", "",
+        "async wall) / sync host, per pair of neighbouring blocks, median and range. Host thread CPU: the engine "
+        "thread's own CPU time per step (`time.thread_time`; the wall-clock phases also count time in which "
+        "XLA's threads held the two shared cores).", "",
         *lines, "", *findings, "", "![host time per step](host_overhead.png)",
     ])
     out = results_dir(args.quick)

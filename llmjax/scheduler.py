@@ -274,15 +274,22 @@ class Scheduler:
     def _fill(self, out: SchedulerOutput, entries: list[tuple[Request, int]]) -> None:
         """Order the step (decodes first), advance each request's progress, and write the arrays."""
         decodes = [e for e in entries if e[1] == 1]
-        entries = decodes + [e for e in entries if e[1] > 1]
+        if len(decodes) < len(entries):
+            entries = decodes + [e for e in entries if e[1] > 1]
         n = len(entries)
         out.requests = [r for r, _ in entries]
         out.num_decodes = len(decodes)
         if not n:
             return
-        state = np.array([(k, r.num_computed_tokens, len(r.prompt_token_ids) + len(r.output_token_ids) + r.num_pending,
-                           len(r.output_token_ids) + r.num_pending, r.row, r.num_pending, r.inflight_index)
-                          for r, k in entries], np.int32)
+        # One flat pass over the requests (7 fields each), read before their progress advances.
+        flat = []
+        extend = flat.extend
+        for r, k in entries:
+            pending = r.num_pending
+            n_out = len(r.output_token_ids) + pending
+            extend((k, r.num_computed_tokens, len(r.prompt_token_ids) + n_out, n_out, r.row, pending,
+                    r.inflight_index))
+        state = np.fromiter(flat, np.int32, 7 * n).reshape(n, 7)
         new, start, length, n_out, rows = state[:, 0], state[:, 1], state[:, 2], state[:, 3], state[:, 4]
         out.num_new_tokens, out.num_computed, out.output_index, out.rows = new, start, n_out, rows
         out.samples = start + new == length
@@ -291,7 +298,7 @@ class Scheduler:
         out.bucket = self.buckets.shape(out.num_tokens, n, max_blocks)
         if self.build_step_inputs:
             self._step_inputs(out, entries, state[:, 5] > 0, state[:, 6])
-        for i, ((request, k), samples) in enumerate(zip(entries, out.samples.tolist())):
+        for i, (request, k), samples in zip(range(n), entries, out.samples.tolist()):
             request.num_computed_tokens += k
             if samples:
                 request.num_pending += 1
