@@ -249,9 +249,15 @@ def test_engine_greedy_tokens_with_and_without_amx(monkeypatch):
         assert gap < 1e-2 * float(np.abs(logits[0]).max()), f"token {i} differs, logit gap {gap}"
 
 
-@pytest.mark.parametrize("amx", [True, False])
-def test_cpu_default_dtype_is_bfloat16_only_with_the_amx_kernel(monkeypatch, amx):
+@pytest.mark.parametrize("amx, features, expected", [
+    (True, {"amx_bf16", "avx512_bf16"}, jnp.bfloat16),  # Sapphire Rapids: the AMX kernel
+    (False, {"amx_bf16", "avx512_bf16"}, jnp.bfloat16),  # the same with LLMJAX_NO_AMX: XLA's bfloat16 dots
+    (False, {"avx512f", "avx512_bf16"}, jnp.bfloat16),  # Zen 4: XLA's bfloat16 dots on VDPBF16PS
+    (False, {"avx2", "avx512f"}, jnp.float32),  # no bfloat16 dot instructions: XLA would upcast
+])
+def test_cpu_default_dtype_is_bfloat16_only_with_bfloat16_dot_instructions(monkeypatch, amx, features, expected):
     from llmjax.models import loader
 
     monkeypatch.setattr(loader.amx_matmul, "enabled", lambda dtype: amx and jnp.dtype(dtype) == jnp.bfloat16)
-    assert loader.default_dtype() == (jnp.bfloat16 if amx else jnp.float32)
+    monkeypatch.setattr(loader.native, "cpu_features", lambda: frozenset(features))
+    assert loader.default_dtype() == expected

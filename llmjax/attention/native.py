@@ -84,6 +84,18 @@ def find_compiler() -> str:
     raise BuildError(f"no C++ compiler found ($CXX or one of {', '.join(_COMPILERS)} on PATH)")
 
 
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature names as /proc/cpuinfo lists them (x86 `flags`, Arm `Features`); empty
+    where it cannot be read."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    return frozenset(name for line in lines if line.split(":")[0].strip() in ("flags", "Features")
+                     for name in line.split(":", 1)[1].split())
+
+
 def _cpu_identity() -> str:
     """The CPU model and feature flags (what -march=native compiles for)."""
     try:

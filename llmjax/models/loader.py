@@ -26,6 +26,7 @@ from flax import nnx
 
 from llmjax.config import PRESETS, ModelConfig, model_config_from_gguf_metadata, model_config_from_hf_file
 from llmjax.models.transformer import Transformer, pack_linear_weights, store_layer_weights
+from llmjax.attention import native
 from llmjax.ops import amx_matmul
 
 EMBEDDED_MODEL = "smollm2"
@@ -289,10 +290,17 @@ def load_model(source: str | None = None, *, dtype=jnp.float32, seed: int = 0) -
     return LoadedModel(cfg, graphdef, store_layer_weights(params), src)
 
 
+# x86 features whose bfloat16 dot instructions XLA:CPU's bfloat16 x bfloat16 -> float32 dots use
+# (AVX512-BF16's VDPBF16PS; AMX-BF16 also runs llmjax's AMX kernel). Measured faster than float32 on
+# both kinds of CPU (results/offline_throughput*.md); other CPUs upcast bfloat16 and stay float32.
+BF16_DOT_FEATURES = ("avx512_bf16", "amx_bf16")
+
+
 def default_dtype() -> jnp.dtype:
-    """bfloat16 on accelerators and on a CPU whose linear layers run the AMX kernel
-    (`amx_matmul.enabled`: the mixed-precision path, several times float32's speed there);
-    float32 on other CPUs (and with `LLMJAX_NO_AMX=1`). `--dtype` / `EngineConfig.dtype` overrides it."""
-    if jax.default_backend() != "cpu" or amx_matmul.enabled(jnp.bfloat16):
+    """bfloat16 on accelerators and on a CPU with bfloat16 dot instructions (`BF16_DOT_FEATURES`:
+    the mixed-precision path, on the AMX kernel where it is enabled, else on XLA's dots); float32
+    on other CPUs. `--dtype` / `EngineConfig.dtype` overrides it."""
+    if jax.default_backend() != "cpu" or amx_matmul.enabled(jnp.bfloat16) or \
+            not native.cpu_features().isdisjoint(BF16_DOT_FEATURES):
         return jnp.bfloat16
     return jnp.float32

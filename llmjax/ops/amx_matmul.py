@@ -55,13 +55,7 @@ BLOCK_N = 32  # N columns per packed block (two 16-column tiles)
 
 def cpu_has_amx() -> bool:
     """Whether /proc/cpuinfo lists every feature the kernel is compiled for."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
-    return all(f in flags for f in CPU_FEATURES)
+    return native.cpu_features().issuperset(CPU_FEATURES)
 
 
 @functools.cache
