@@ -241,6 +241,8 @@ ROWS: list[tuple[str, str, Formatter]] = [
     ("[offline_throughput](results/offline_throughput.md)", "results/offline_throughput.json", offline_throughput),
     ("[offline_throughput, equal prompts](results/offline_throughput_equal.md)", "results/offline_throughput_equal.json",
      offline_throughput),
+    ("[offline_throughput, equal prompts, AMD EPYC without AMX](results/offline_throughput_equal_epyc.md)",
+     "results/offline_throughput_equal_epyc.json", offline_throughput),
     ("[memory_waste](results/memory_waste.md) (PagedAttention Fig. 2, simulator)", "results/memory_waste.json",
      memory_waste),
     ("[radix_hit_rate](results/radix_hit_rate.md) (RadixAttention)", "results/radix_hit_rate.json", radix_hit_rate),
