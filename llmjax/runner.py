@@ -135,7 +135,7 @@ class _RowParams:
         self.presence = np.zeros(rows, np.float32)
         self.frequency = np.zeros(rows, np.float32)
         self.repetition = np.ones(rows, np.float32)
-        self.logprobs = np.zeros(rows, np.int32)
+        self.logprobs = np.full(rows, -1, np.int32)  # top logprobs asked for; -1: no logprobs at all
 
     def set(self, init: RowInit) -> None:
         p, r = init.params, init.row
@@ -146,7 +146,7 @@ class _RowParams:
         self.processed[r], self.min_tokens[r] = p.uses_logits_processing, p.min_tokens
         self.presence[r], self.frequency[r], self.repetition[r] = p.presence_penalty, p.frequency_penalty, \
             p.repetition_penalty
-        self.logprobs[r] = p.logprobs or 0
+        self.logprobs[r] = -1 if p.logprobs is None else p.logprobs
 
 
 def _pad(values: np.ndarray, size: int, fill=0) -> np.ndarray:
@@ -251,7 +251,7 @@ class ModelRunner:
             processed=_pad(processed, s), keep=_pad(out.samples.astype(bool), s),
             in_min_tokens=_pad(processed & (out.output_index < r.min_tokens[rows]), s),
             presence_penalty=_pad(r.presence[rows], s), frequency_penalty=_pad(r.frequency[rows], s),
-            repetition_penalty=_pad(r.repetition[rows], s, 1),
+            repetition_penalty=_pad(r.repetition[rows], s, 1), want_logprob=_pad(r.logprobs[rows] >= 0, s),
         )
 
     def _take_row(self, init: RowInit) -> None:

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from llmjax.sampler import PenaltyState, SamplingInput, count_tokens, process_logits, sample
+from llmjax.sampler import ARGMAX_CHUNK, PenaltyState, SamplingInput, count_tokens, first_argmax, process_logits, sample
 from llmjax.sampling_params import SamplingParams, SamplingParamsError
 
 PROBS = np.array([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
@@ -21,6 +21,7 @@ def sampling_input(n: int, **fields) -> SamplingInput:
         seed_hi=(0, np.uint32), seed_lo=(0, np.uint32), sample_index=(0, np.int32), output_index=(0, np.int32),
         penalty_row=(0, np.int32), processed=(False, bool), keep=(True, bool), in_min_tokens=(False, bool),
         presence_penalty=(0.0, np.float32), frequency_penalty=(0.0, np.float32), repetition_penalty=(1.0, np.float32),
+        want_logprob=(True, bool),
     )
     arrays = {name: np.broadcast_to(np.asarray(fields.get(name, value), dtype), (n,)).copy()
               for name, (value, dtype) in defaults.items()}
@@ -78,6 +79,33 @@ def test_greedy_and_logprobs():
     tokens, logprobs = draw(temperature=0.0)
     assert np.all(tokens == 0)
     np.testing.assert_allclose(logprobs, np.log(PROBS[0]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [7, ARGMAX_CHUNK, 3 * ARGMAX_CHUNK, 3 * ARGMAX_CHUNK + 5])
+def test_first_argmax_is_numpys_argmax_ties_included(vocab):
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(-3, 4, (9, vocab)).astype(np.float32)  # few distinct values: many ties across chunks
+    x[1] = -np.inf  # every entry the minimum
+    x[2, -1] = 10.0  # the maximum in the (padded) last chunk
+    x[3, 0] = 10.0
+    np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(x)), np.argmax(x, axis=-1))
+
+
+def test_token_logprobs_only_for_rows_that_ask():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0, 2, (4, 3000)).astype(np.float32)
+    raw = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    best = logits.argmax(-1)
+    for want in ([False, True, False, True], [False] * 4):
+        (tokens, logprobs, _, _), _ = jax.jit(sample)(
+            logits, sampling_input(4, temperature=0.0, want_logprob=want), empty_state(1, 3000))
+        np.testing.assert_array_equal(np.asarray(tokens), best)
+        got = np.asarray(logprobs)
+        for row in range(4):
+            if want[row]:
+                np.testing.assert_allclose(got[row], raw[row, best[row]], rtol=1e-5, atol=1e-5)
+        if not any(want):  # no row asked: the logsumexp pass is skipped and the values are zeros
+            np.testing.assert_array_equal(got, 0.0)
 
 
 def test_same_seed_same_draws_other_seed_differs():
