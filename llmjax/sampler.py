@@ -15,8 +15,11 @@ and the step adds each kept sampled token to its row's counts on the device. Whe
 the step has a row, the processing is skipped at run time (`lax.cond`).
 
 Greedy rows (temperature 0) take the argmax of the processed logits; when every row is greedy the
-sort/filter work is skipped at run time, and so is the sort when no row uses top-k, top-p or
-min-p. Logprobs are of the model's raw distribution (before any processing, temperature and
+random-sampling work is skipped at run time, and so is the filtering when no row uses top-k, top-p
+or min-p. A sampled token is drawn by inverse CDF with one uniform number per row (`inverse_cdf`:
+a Gumbel draw per vocabulary entry costs ~35 ms a step on `[64, 49152]` on CPU); top-k / top-p /
+min-p keep every token at least as probable as a per-row threshold (`keep_threshold`), found by
+bisection, never by sorting the vocabulary. Logprobs are of the model's raw distribution (before any processing, temperature and
 filtering), as vLLM reports by default; the sampled tokens' logprobs (a pass of `exp` over every
 row's vocabulary) are computed only when a row asks for them (`want_logprob`), otherwise they are 0.
 
@@ -90,44 +93,86 @@ def count_tokens(state: PenaltyState, tokens: jax.Array, s: SamplingInput) -> Pe
     return replace(state, output_counts=state.output_counts.at[s.penalty_row, tokens].add(inc))
 
 
-ARGMAX_CHUNK = 1024  # vocabulary entries per first-stage chunk of `first_argmax`
+CHUNK = 1024  # vocabulary entries per chunk of the two-stage reductions (argmax, inverse CDF)
+_SEARCH_STEPS = 32  # bisection steps over a probability's bit pattern (at most 2^30 values)
+
+
+def _chunks(x: jax.Array, fill: float) -> jax.Array:
+    """`[S, V]` -> `[S, ceil(V / CHUNK), CHUNK]`, the tail padded with `fill`."""
+    rows, vocab = x.shape
+    n = -(-vocab // CHUNK)
+    return jnp.pad(x, ((0, 0), (0, n * CHUNK - vocab)), constant_values=fill).reshape(rows, n, CHUNK)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
     """`jnp.argmax(x, axis=-1)` of `[S, V]` (the first index of each row's maximum) as int32, in two
-    stages: per chunk of `ARGMAX_CHUNK` entries the maximum (a plain reduction XLA parallelises and
-    vectorises), then the argmax within the first chunk holding the row's maximum."""
-    rows, vocab = x.shape
-    chunks = -(-vocab // ARGMAX_CHUNK)
-    if chunks < 2:
+    stages: per chunk the maximum (a plain reduction XLA parallelises and vectorises), then the
+    argmax within the first chunk holding the row's maximum."""
+    if x.shape[-1] <= CHUNK:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
-    padded = jnp.pad(x, ((0, 0), (0, chunks * ARGMAX_CHUNK - vocab)), constant_values=-jnp.inf)
-    blocks = padded.reshape(rows, chunks, ARGMAX_CHUNK)
+    blocks = _chunks(x, -jnp.inf)
     chunk = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)  # first chunk holding the maximum
     within = jnp.take_along_axis(blocks, chunk[:, None, None], axis=1)[:, 0]
-    return (chunk * ARGMAX_CHUNK + jnp.argmax(within, axis=-1)).astype(jnp.int32)
+    return (chunk * CHUNK + jnp.argmax(within, axis=-1)).astype(jnp.int32)
 
 
-def _filtered_logits(logits: jax.Array, s: SamplingInput) -> jax.Array:
-    """Scale by temperature and mask tokens outside top-k / top-p / min-p with -inf (the sort that
-    needs is skipped when no row filters)."""
-    temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
-    scaled = logits / temp
-    filters = (s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0)
-    return jax.lax.cond(jnp.any(filters), lambda: _mask_filtered(scaled, s), lambda: scaled)
+def keep_threshold(probs: jax.Array, s: SamplingInput) -> jax.Array:
+    """Per row of `probs` `[S, V]` (a distribution), the smallest probability that top-k, top-p and
+    min-p keep: in the order of decreasing probability a token is kept while its rank is below
+    top_k, the mass before it is below top_p and it is at least min_p times the largest (the first
+    token always); then every token at least as probable as the last kept one (ties) is kept.
+
+    Without sorting (XLA:CPU sorts `[64, 49152]` in about 0.6 s) or `lax.top_k` (XLA:CPU's TopK
+    custom call in the step made the test suite crash intermittently while compiling or
+    (de)serialising executables): probabilities are >= 0, so their int32 bit patterns order like
+    their values. A token of pattern b is kept by top-p iff the mass of tokens with a larger
+    pattern is below top_p, and by top-k iff fewer than top_k tokens have a larger pattern; both
+    are monotone in b, so each keeps the patterns from some B on, found exactly by bisection (one
+    pass over the vocabulary a step, skipped when no row of the step uses that filter); min-p keeps
+    those from min_p * max on."""
+    vocab = probs.shape[-1]
+    bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
+    largest = jnp.max(bits, axis=-1)
+    none = jnp.full_like(largest, -1)
+
+    def first_kept(values: jax.Array, limit: jax.Array) -> jax.Array:
+        """The smallest pattern B such that `values` summed over the tokens above B stay below
+        `limit` (inf: no limit, B = -1, every token)."""
+        def step(_, bounds):  # invariant: B lies in (lo, hi]; hi satisfies the condition
+            lo, hi = bounds
+            mid = lo + (hi - lo) // 2
+            above = _chunks(jnp.where(bits > mid[:, None], values, 0.0), 0.0).sum(axis=-1).sum(axis=-1)
+            ok = above < limit
+            return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+        search = lambda: jax.lax.fori_loop(0, _SEARCH_STEPS, step, (none, largest))[1]  # noqa: E731
+        return jax.lax.cond(jnp.any(jnp.isfinite(limit)), search, lambda: none)
+
+    # 1 and the vocabulary size are "off" (a sum that rounds above 1 must not cut the tail)
+    from_p = first_kept(probs, jnp.where(s.top_p < 1, s.top_p, jnp.inf))
+    from_k = first_kept(jnp.ones_like(probs), jnp.where((s.top_k > 0) & (s.top_k < vocab), s.top_k, jnp.inf))
+    from_min = jax.lax.bitcast_convert_type(s.min_p * jax.lax.bitcast_convert_type(largest, jnp.float32), jnp.int32)
+    first = jnp.maximum(jnp.maximum(from_p, from_k), from_min)
+    return jax.lax.bitcast_convert_type(jnp.maximum(first, 0), jnp.float32)
 
 
-def _mask_filtered(scaled: jax.Array, s: SamplingInput) -> jax.Array:
-    vocab = scaled.shape[-1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    ranks = jnp.arange(vocab)[None, :]
-    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)[:, None]
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (ranks < k) & (mass_before < s.top_p[:, None]) & (probs >= s.min_p[:, None] * probs[:, :1])
-    keep = keep.at[:, 0].set(True)
-    threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """Per row of `probs` `[S, V]` (non-negative, not necessarily normalised) and `u` `[S]` in
+    [0, 1): the first index whose cumulative sum exceeds u times the row's sum, as int32, so index i
+    is drawn with probability probs[i] / sum; never an index of probability 0 (rounding clamps to
+    the last positive one). Two stages: the chunk, from the chunks' sums, then the index within it."""
+    blocks = _chunks(probs, 0.0)
+    sums = blocks.sum(axis=-1)  # [S, C]
+    cum = jnp.cumsum(sums, axis=-1)
+    target = u * cum[:, -1]
+    chunks = sums.shape[-1]
+    last_chunk = chunks - 1 - jnp.argmax((sums > 0)[:, ::-1], axis=-1)
+    chunk = jnp.minimum(jnp.sum(cum <= target[:, None], axis=-1), last_chunk)
+    before = jnp.where(chunk > 0, jnp.take_along_axis(cum, jnp.maximum(chunk - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+    within = jnp.take_along_axis(blocks, chunk[:, None, None], axis=1)[:, 0]  # [S, CHUNK]
+    last = CHUNK - 1 - jnp.argmax((within > 0)[:, ::-1], axis=-1)
+    index = jnp.minimum(jnp.sum(jnp.cumsum(within, axis=-1) <= (target - before)[:, None], axis=-1), last)
+    return (chunk * CHUNK + index).astype(jnp.int32)
 
 
 def _row_key(hi: jax.Array, lo: jax.Array, sample_index: jax.Array, output_index: jax.Array) -> jax.Array:
@@ -136,10 +181,18 @@ def _row_key(hi: jax.Array, lo: jax.Array, sample_index: jax.Array, output_index
 
 
 def _random_sample(logits: jax.Array, s: SamplingInput) -> jax.Array:
-    filtered = _filtered_logits(logits, s)
+    """Temperature rows: a draw from softmax(logits / temperature) restricted to what top-k, top-p
+    and min-p keep (`keep_threshold`, skipped when no row filters), by `inverse_cdf` with one
+    uniform number from the row's key; greedy rows: the argmax."""
+    temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    probs = jax.nn.softmax(logits / temp, axis=-1)
+    filters = (s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0)
+    probs = jax.lax.cond(jnp.any(filters),
+                         lambda: jnp.where(probs >= keep_threshold(probs, s)[:, None], probs, 0.0),
+                         lambda: probs)
     keys = jax.vmap(_row_key)(s.seed_hi, s.seed_lo, s.sample_index, s.output_index)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (logits.shape[-1],)))(keys)
-    return jnp.where(s.temperature > 0, first_argmax(filtered + gumbel), first_argmax(logits))
+    u = jax.vmap(lambda key: jax.random.uniform(key, ()))(keys)
+    return jnp.where(s.temperature > 0, inverse_cdf(probs, u), first_argmax(logits))
 
 
 def sample(logits: jax.Array, s: SamplingInput, state: PenaltyState, num_top_logprobs: int = 0):

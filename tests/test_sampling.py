@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from llmjax.sampler import ARGMAX_CHUNK, PenaltyState, SamplingInput, count_tokens, first_argmax, process_logits, sample
+from llmjax import sampler
+from llmjax.sampler import CHUNK, PenaltyState, SamplingInput, count_tokens, first_argmax, process_logits, sample
 from llmjax.sampling_params import SamplingParams, SamplingParamsError
 
 PROBS = np.array([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
@@ -70,6 +71,89 @@ def test_filters_respect_their_support(kwargs, keep):
     assert_frequencies(tokens, expected_distribution(np.array(keep, bool)))
 
 
+def reference_kept(probs: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """One row, in float64 by sorting: (kept mask, each token's mass before it in sorted order). Ranks
+    below top_k, mass before below top_p, at least min_p times the largest; the first always; then
+    ties of the last kept token."""
+    order = np.argsort(-probs, kind="stable")
+    srt = probs[order]
+    before = np.cumsum(srt) - srt
+    keep = (np.arange(len(srt)) < (top_k if top_k > 0 else len(srt))) & (before < top_p) & (srt >= min_p * srt[0])
+    keep[0] = True
+    mass_before = np.empty_like(before)
+    mass_before[order] = before
+    return probs >= srt[keep].min(), mass_before
+
+
+def threshold_cases(rng, vocab):
+    """Rows (probabilities, top_k, top_p, min_p): peaked and flat distributions, ties, each filter alone
+    and together, small and large kept sets."""
+    peaked = np.exp(rng.normal(0, 4, vocab))
+    flat = np.exp(rng.normal(0, 0.3, vocab))
+    ties = np.repeat(rng.random(vocab // 10 + 1), 10)[:vocab]
+    rows = []
+    for probs in (peaked, flat, ties):
+        probs = (probs / probs.sum()).astype(np.float32)
+        for top_k, top_p, min_p in [(0, 0.5, 0.0), (0, 0.9, 0.0), (0, 0.99, 0.0), (10, 1.0, 0.0), (64, 1.0, 0.0),
+                                    (65, 1.0, 0.0), (700, 1.0, 0.0), (0, 1.0, 0.05), (0, 1.0, 0.9), (300, 0.95, 0.01)]:
+            rows.append((probs, top_k, top_p, min_p))
+    return rows
+
+
+def test_keep_threshold_matches_sorting():
+    """`keep_threshold` keeps what sorting keeps; a token may differ only where the mass before it is
+    within float32 rounding of top_p."""
+    rng = np.random.default_rng(5)
+    cases = threshold_cases(rng, 3000)
+    probs = np.stack([c[0] for c in cases])
+    s = sampling_input(len(cases), top_k=[c[1] for c in cases], top_p=[c[2] for c in cases],
+                       min_p=[c[3] for c in cases])
+    thresholds = np.asarray(jax.jit(sampler.keep_threshold)(probs, s))
+    for row, (p, top_k, tp, mp) in enumerate(cases):
+        expected, before = reference_kept(p.astype(np.float64), top_k, tp, mp)
+        differ = (p >= thresholds[row]) != expected
+        assert np.all(np.abs(before[differ] - tp) < 1e-5), (row, top_k, tp, mp, np.flatnonzero(differ)[:5])
+
+
+def test_inverse_cdf_draws_in_proportion_across_chunks():
+    vocab = 2 * CHUNK + 452  # a partial last chunk
+    support = np.array([0, CHUNK - 1, CHUNK, CHUNK + 7, vocab - 1])
+    weights = np.array([0.3, 0.1, 0.25, 0.05, 0.3], np.float32)
+    probs = np.zeros((N, vocab), np.float32)
+    probs[:, support] = 2 * weights  # not normalised: the draw divides by the row's sum
+    u = np.random.default_rng(2).random(N).astype(np.float32)
+    u[:3] = [0.0, np.nextafter(np.float32(1), np.float32(0)), 0.5]
+    got = np.asarray(jax.jit(sampler.inverse_cdf)(probs, u))
+    assert np.isin(got, support).all(), "drew a token of probability 0"
+    assert got[0] == 0 and got[1] == vocab - 1
+    counts = np.array([(got == i).sum() for i in support])
+    sigma = np.sqrt(N * weights * (1 - weights))
+    assert np.all(np.abs(counts - N * weights) <= 5 * sigma + 1), counts
+
+
+@pytest.mark.parametrize("kwargs, kept", [(dict(top_k=2), 2), (dict(top_k=100), 100), (dict(top_p=0.999), None)])
+def test_filters_on_a_large_vocabulary(kwargs, kept):
+    """The sampler end to end on 300 tokens: six carry PROBS, the rest share a little mass; the
+    support is what the filter keeps."""
+    vocab = 300
+    rng = np.random.default_rng(3)
+    probs = rng.random(vocab) + 1  # distinct small masses: no ties at the top_k cut
+    probs *= 0.002 / probs.sum()
+    probs[rng.permutation(vocab)[:6]] = 0.998 * PROBS
+    order = np.argsort(-probs, kind="stable")
+    if kept is None:
+        kept = int(((np.cumsum(probs[order]) - probs[order]) < kwargs["top_p"]).sum())
+    logits = np.tile(np.log(probs).astype(np.float32), (N, 1))
+    s = sampling_input(N, output_index=np.arange(N), **kwargs)
+    (tokens, _, _, _), _ = jax.jit(sample)(logits, s, empty_state(1, vocab))
+    tokens = np.asarray(tokens)
+    assert np.isin(tokens, order[:kept]).all()
+    main = order[:min(kept, 6)]
+    expected = probs[main] / probs[order[:kept]].sum()
+    counts = np.array([(tokens == i).sum() for i in main])
+    assert np.all(np.abs(counts - N * expected) <= 5 * np.sqrt(N * expected * (1 - expected)) + 1), counts
+
+
 def test_temperature_sharpens():
     tokens, _ = draw(temperature=0.5)
     assert_frequencies(tokens, expected_distribution(np.ones(6, bool), temperature=0.5))
@@ -81,7 +165,7 @@ def test_greedy_and_logprobs():
     np.testing.assert_allclose(logprobs, np.log(PROBS[0]), rtol=1e-5)
 
 
-@pytest.mark.parametrize("vocab", [7, ARGMAX_CHUNK, 3 * ARGMAX_CHUNK, 3 * ARGMAX_CHUNK + 5])
+@pytest.mark.parametrize("vocab", [7, CHUNK, 3 * CHUNK, 3 * CHUNK + 5])
 def test_first_argmax_is_numpys_argmax_ties_included(vocab):
     rng = np.random.default_rng(vocab)
     x = rng.integers(-3, 4, (9, vocab)).astype(np.float32)  # few distinct values: many ties across chunks
