@@ -18,7 +18,9 @@ llmjax's best and HF's best run `--pairs` more times each, alternately (ABBA ord
 machine's speed during the run weighs on both alike); the headline ratio is the median of the pairs'
 ratios, each pair timed within a minute or two, not the ratio of two medians taken far apart. The roofline: each dtype's matmul peak measured on the model's own matmul shapes (best of
 several runs, XLA for llmjax and torch for HF), the achieved model FLOP/s of every system against
-its own precision's peak, and a steady 64-request decode step of llmjax against its peak.
+its own precision's peak, and a steady 64-request decode step of llmjax against its peak and against
+its floor on this machine: the KV cache it reads at the measured memory bandwidth, then its linear
+layers at the peak (or their weights at the bandwidth, if slower).
 
 On a shared CPU absolute numbers move with the load; only ratios measured in the same run mean
 anything. The full grid on the default workload takes hours (HF alone: 2 dtypes x 5 batches x 2
@@ -128,6 +130,23 @@ def matmul_peak(cfg, library: str, dtype: str, rows: int, repeats: int = 7) -> f
     return flops / seconds
 
 
+def memory_bandwidth(repeats: int = 7) -> float:
+    """Bytes/s this machine reads from memory: torch (all cores) summing a 1 GiB float32 array, best of
+    `repeats` (the array is 1 GiB so caches do not hold it)."""
+    import torch
+
+    x = torch.ones(1 << 28, dtype=torch.float32)
+    return x.numel() * x.element_size() / _best_time(lambda: float(x.sum()), repeats)
+
+
+def decode_floor(step: dict, bandwidth: float, peak: float) -> float:
+    """Seconds a steady decode step needs at least on this machine with attention and the matmuls one
+    after the other (as a layer runs them): the KV cache read at the memory bandwidth (attention
+    does ~2 FLOPs per byte it reads), then the linear layers at the larger of their weights'
+    read time and their FLOPs at the matmul peak."""
+    return step["kv_bytes"] / bandwidth + max(step["weight_bytes"] / bandwidth, step["matmul_flops"] / peak)
+
+
 # --- the systems --------------------------------------------------------------------------------------
 def parse_settings(text: str) -> dict:
     out = {}
@@ -161,11 +180,13 @@ class LLMJaxRun:
         tokens = self.generate(prompts, outputs)
         return time.perf_counter() - t, tokens, self.engine.runner.num_compiles - compiles
 
-    def decode_step_flops(self, repeats: int = 7) -> tuple[float, float]:
-        """(FLOP/s, seconds) of one steady decode step: 64 requests with contexts 380-420 (best of runs)."""
+    def decode_step(self, repeats: int = 7) -> dict:
+        """One steady decode step: 64 requests with contexts 380-420. Its seconds (best of runs), its
+        FLOP/s, the linear layers' FLOPs and weight bytes, and the bytes of KV cache it reads."""
         import jax
 
         from experiments.step_profile import make_step
+        from llmjax.attention.cache_dtype import value_dtype
 
         runner, cfg = self.engine.runner, self.engine.model_config
         rng = np.random.default_rng(0)
@@ -181,7 +202,11 @@ class LLMJaxRun:
         seconds = _best_time(run, repeats)
         prompts = [[0] * (int(c) - 1) for c in contexts]  # the step's work: one new token at each context
         work = model_flops(cfg, prompts, [1] * 64) - model_flops(cfg, prompts, [0] * 64)
-        return work / seconds, seconds
+        weights = sum(k * n * count for k, n, count in matmul_shapes(cfg))
+        item = np.dtype(jax.tree.leaves(runner.params)[0].dtype).itemsize
+        kv_item = np.dtype(value_dtype(runner.cache[0].dtype)).itemsize
+        return dict(seconds=seconds, flops=work / seconds, matmul_flops=2 * 64 * weights,
+                    weight_bytes=weights * item, kv_bytes=int(contexts.sum()) * cfg.kv_bytes_per_token(kv_item))
 
 
 class HFModels:
@@ -335,10 +360,10 @@ def main() -> None:
                 compiles += c
                 bar.update()
             dtype = str(value_dtype(jax.tree.leaves(run.engine.runner.params)[0].dtype))
-            decode_flops, decode_s = run.decode_step_flops()
+            step = run.decode_step()
             runs[system] = dict(times=times, tokens=tokens, compiles=compiles, dtype=dtype,
                                 settings={k: v for k, v in run.settings.items()},
-                                decode_step_flops=decode_flops, decode_step_s=decode_s)
+                                decode_step_flops=step["flops"], decode_step_s=step["seconds"], decode_step=step)
             engines[system] = run
         elif system == "hf":
             dtype, batch, order = conf
@@ -375,7 +400,11 @@ def main() -> None:
             for rows in (64, 512):
                 peaks[f"{lib} {dtype} {rows}"] = matmul_peak(cfg, lib, dtype, rows)
 
-    report, data = summarize(args, runs, peaks, flops, total_out, n_req, hf_models, reference_tokens, paired)
+    print("measuring the memory bandwidth")
+    bandwidth = memory_bandwidth()
+
+    report, data = summarize(args, runs, peaks, bandwidth, flops, total_out, n_req, hf_models, reference_tokens,
+                             paired)
     name = args.out_name or ("offline_throughput_equal" if args.workload == "equal" else "offline_throughput")
     write_results(results_dir(), name, "# Offline throughput\n\n" + report, data)
     plot(runs, total_out, results_dir() / f"{name}.png")
@@ -413,7 +442,7 @@ def paired_passes(runs, engines, hf_models, pairs, prompts, outputs, bar) -> dic
     return result
 
 
-def summarize(args, runs, peaks, flops, total_out, n_req, hf_models, reference_tokens, paired=None):
+def summarize(args, runs, peaks, bandwidth, flops, total_out, n_req, hf_models, reference_tokens, paired=None):
     def med(r):
         return statistics.median(r["times"])
 
@@ -465,6 +494,17 @@ def summarize(args, runs, peaks, flops, total_out, n_req, hf_models, reference_t
                          f"{r['decode_step_flops'] / 1e9:.0f} GFLOP/s = "
                          f"{100 * r['decode_step_flops'] / decode_peak:.0f}% of the machine's "
                          f"{r['dtype']} matmul peak at 64 rows ({decode_lib}).")
+            step = r["decode_step"]
+            floor = decode_floor(step, bandwidth, decode_peak)
+            notes.append(f"Its floor here: {step['kv_bytes'] / 1e6:.0f} MB of KV cache at the memory bandwidth "
+                         f"({step['kv_bytes'] / bandwidth * 1e3:.1f} ms), then the linear layers "
+                         f"({step['matmul_flops'] / 1e9:.1f} GFLOP at the 64-row peak "
+                         f"{step['matmul_flops'] / decode_peak * 1e3:.1f} ms; their {step['weight_bytes'] / 1e6:.0f} MB "
+                         f"of weights {step['weight_bytes'] / bandwidth * 1e3:.1f} ms): {floor * 1e3:.1f} ms, at most "
+                         f"{100 * r['decode_step_flops'] * r['decode_step_s'] / floor / decode_peak:.0f}% of the peak "
+                         f"with attention and the matmuls one after the other; the step took "
+                         f"{r['decode_step_s'] / floor:.1f}x its floor.")
+    notes.append(f"Memory bandwidth: {bandwidth / 1e9:.1f} GB/s (torch summing 1 GiB of float32 on all cores, best of 7).")
     notes.append("Matmul peaks on the model's shapes (FLOP-weighted mix of its projections and LM head, best of 7 "
                  "runs each; XLA's dot, llmjax's AMX kernel, torch; a precision's peak is the best of them): " + "; ".join(f"{k} rows {v / 1e9:.0f} GFLOP/s" for k, v in sorted(peaks.items())) + ".")
     if "hf" in best and "llmjax" in best:
@@ -483,7 +523,7 @@ def summarize(args, runs, peaks, flops, total_out, n_req, hf_models, reference_t
                      f"({paired['compiles']} compilations in llmjax's passes).")
     data = {
         "workload": args.workload, "num_requests": n_req, "output_tokens": total_out, "model_flops": flops,
-        "repeats": args.repeats, "peaks_flops": peaks,
+        "repeats": args.repeats, "peaks_flops": peaks, "memory_bandwidth": bandwidth,
         "runs": {k: {kk: vv for kk, vv in r.items() if kk != "tokens"} for k, r in runs.items()},
         "hf_screen": args.hf_screen,
         "best": best,
@@ -502,6 +542,8 @@ def summarize(args, runs, peaks, flops, total_out, n_req, hf_models, reference_t
                     hf_best={k: hf_best[k] for k in ("dtype", "batch", "order")},
                     achieved_flops=flops / med(ours), peak_flops=peak,
                     decode_step_flops=ours["decode_step_flops"], decode_peak_flops=best_peak(ours["dtype"], 64)[0],
+                    decode_floor_flops=ours["decode_step_flops"] * ours["decode_step_s"] /
+                    decode_floor(ours["decode_step"], bandwidth, best_peak(ours["dtype"], 64)[0]),
                     ratio_ceiling=med(runs[best["hf"]]) / (flops / peak),
                     identical=sum(a == b for a, b in zip(ours["tokens"], ref)) if ref else None)
     return "\n".join(lines + notes) + "\n", data

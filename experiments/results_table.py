@@ -70,6 +70,8 @@ def offline_throughput(d: dict, n: Numbers) -> str:
     same = (f", greedy outputs identical to HF {d['llmjax_dtype']} for {n(d['identical'], 'd')} of "
             f"{n(d['num_requests'], 'd')} requests" if d.get("identical") is not None else "")
     paired = d.get("paired")
+    floor = (f"; at most {n.ratio(d['decode_floor_flops'], d['decode_peak_flops'], '.0%')} with its KV cache read at "
+             f"the measured memory bandwidth before its matmuls at the peak" if "decode_floor_flops" in d else "")
     ratio = (f"{n(paired['ratio_median'], '.2f')}x (the median over pairs of passes timed back to back, "
              f"{n.span(paired['ratios'], '.2f')}x)" if paired else f"{n.ratio(hf[str(best['batch'])], d['llmjax_s'])}x")
     return (f"SmolLM2 on this CPU, {d['workload']} workload ({n(d['num_requests'], 'd')} requests, "
@@ -78,7 +80,7 @@ def offline_throughput(d: dict, n: Numbers) -> str:
             f"({best['dtype']}, batch {n(best['batch'], 'd')} of {' / '.join(n(float(b), '.0f') for b in hf)}, "
             f"{best['order']} order){same}; {n.ratio(d['achieved_flops'], d['peak_flops'], '.0%')} of the machine's "
             f"{d['llmjax_dtype']} matmul peak (its steady decode step "
-            f"{n.ratio(d['decode_step_flops'], d['decode_peak_flops'], '.0%')}), where full use of it would allow at most "
+            f"{n.ratio(d['decode_step_flops'], d['decode_peak_flops'], '.0%')}{floor}), where full use of it would allow at most "
             f"{n(d['ratio_ceiling'], '.1f')}x over HF on this machine")
 
 
