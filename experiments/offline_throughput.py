@@ -8,7 +8,8 @@ Systems, each timed after a warm-up (no compilation in the timed pass; the count
      mixed-precision path: bfloat16 weights and KV cache, float32 accumulation);
   2. HF transformers `generate` with static batches, swept over dtype x batch size x request order
      (arrival order, or sorted by prompt length: HF's best practice against padding), torch threads
-     set to the cores; the best configuration is HF's baseline;
+     set to the cores, each configuration warmed up by a short generation of one of its batches;
+     the best configuration is HF's baseline;
   3. llama.cpp through llama-cpp-python on the shipped GGUF, one request at a time (its Python API
      decodes one sequence), when the package is installed.
 llmjax's configurations run `--repeats` times; HF's grid is screened with one pass per configuration,
@@ -338,6 +339,9 @@ def main() -> None:
     bar = tqdm(total=total_passes, desc="timed passes", unit="pass")
 
     def hf_passes_of(name, dtype, batch, order, count):
+        if count and not runs[name]["times"]:  # warm-up: torch's first calls at this batch shape
+            bar.set_postfix_str(f"{name}: warm-up")
+            hf_models.generate(dtype, batch, order, prompts[:batch], [2] * len(prompts[:batch]))
         for _ in range(count):
             bar.set_postfix_str(name)
             t = time.perf_counter()
