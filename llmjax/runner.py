@@ -74,6 +74,18 @@ class InFlight:
 _STEP_FUNCTIONS: dict[tuple, tuple] = {}
 
 
+def release_compiled_steps() -> None:
+    """Forget every compiled step of this process (the shared step functions and JAX's caches).
+
+    Each XLA:CPU executable keeps its machine code in memory mappings of its own, and Linux caps a
+    process's mappings (`vm.max_map_count`, 65530 by default); past the cap XLA aborts the process
+    while compiling or loading an executable. A process that builds many differently shaped engines
+    one after the other (a test suite, a sweep of configurations) calls this between them. Engines
+    still in use stay correct: their next step compiles again."""
+    _STEP_FUNCTIONS.clear()
+    jax.clear_caches()
+
+
 def _make_step_function(graphdef, backend, block_size: int, layout: parallel.Layout | None, max_num_seqs: int):
     """The jitted step for one model structure (config, parameter tree, shapes and dtypes) and mesh;
     shared by runners of equal structure (so tests and experiments that build several engines
