@@ -18,11 +18,10 @@ Greedy rows (temperature 0) take the argmax of the processed logits; when every 
 random-sampling work is skipped at run time, and so is the filtering when no row uses top-k, top-p
 or min-p. A sampled token is drawn by inverse CDF with one uniform number per row (`inverse_cdf`:
 a Gumbel draw per vocabulary entry costs ~35 ms a step on `[64, 49152]` on CPU); top-k / top-p /
-min-p keep every token at least as probable as a per-row threshold (`keep_threshold`, from a
-sort of the vocabulary's probability bit patterns, only when a row filters). Logprobs are of the
-model's raw distribution (before any processing, temperature and filtering), as vLLM reports by
-default; the sampled tokens' logprobs (a pass of `exp` over every row's vocabulary) are computed
-only when a row asks for them (`want_logprob`), otherwise they are 0.
+min-p keep every token at least as probable as a per-row threshold (`keep_threshold`), found by
+bisection, never by sorting the vocabulary. Logprobs are of the model's raw distribution (before any processing, temperature and
+filtering), as vLLM reports by default; the sampled tokens' logprobs (a pass of `exp` over every
+row's vocabulary) are computed only when a row asks for them (`want_logprob`), otherwise they are 0.
 
 The argmax is taken in two stages (`first_argmax`): the maximum of each chunk of the vocabulary,
 then the first index of the maximum within the first chunk that holds it. Same result as
@@ -95,6 +94,7 @@ def count_tokens(state: PenaltyState, tokens: jax.Array, s: SamplingInput) -> Pe
 
 
 CHUNK = 1024  # vocabulary entries per chunk of the two-stage reductions (argmax, inverse CDF)
+_SEARCH_STEPS = 32  # bisection steps over a probability's bit pattern (at most 2^30 values)
 
 
 def _chunks(x: jax.Array, fill: float) -> jax.Array:
@@ -121,20 +121,38 @@ def keep_threshold(probs: jax.Array, s: SamplingInput) -> jax.Array:
     min-p keep: in the order of decreasing probability a token is kept while its rank is below
     top_k, the mass before it is below top_p and it is at least min_p times the largest (the first
     token always); then every token at least as probable as the last kept one (ties) is kept.
-    Sorts each row by the probabilities' int32 bit patterns, which order like the values (the
-    probabilities are >= 0): XLA:CPU sorts `[64, 49152]` int32 keys in ~0.12 s, float32 ones (with
-    their NaN-aware comparator) in ~0.55 s. The caller skips it when no row filters. (An exact
-    bisection over the bit patterns in a `lax.fori_loop`, alone or after a `lax.top_k`, took
-    ~45 ms, but with it inside the step's conditionals the test suite crashed intermittently in
-    XLA while compiling or (de)serialising executables; the cause was not found.)"""
+
+    Without sorting (XLA:CPU sorts `[64, 49152]` float32 values in about 0.55 s, their int32 bit
+    patterns in 0.12 s; this takes ~45 ms): probabilities are >= 0, so their int32 bit patterns
+    order like their values. A token of pattern b is kept by top-p iff the mass of tokens with a larger
+    pattern is below top_p, and by top-k iff fewer than top_k tokens have a larger pattern; both
+    are monotone in b, so each keeps the patterns from some B on, found exactly by bisection (one
+    pass over the vocabulary a step, skipped when no row of the step uses that filter); min-p keeps
+    those from min_p * max on."""
     vocab = probs.shape[-1]
     bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
-    top = jax.lax.bitcast_convert_type(-jax.lax.sort(-bits, dimension=bits.ndim - 1), jnp.float32)
-    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)[:, None]
-    before = jnp.cumsum(top, axis=-1) - top
-    keep = (jnp.arange(vocab)[None, :] < k) & (before < s.top_p[:, None]) & (top >= s.min_p[:, None] * top[:, :1])
-    keep = keep.at[:, 0].set(True)
-    return jnp.min(jnp.where(keep, top, jnp.inf), axis=-1)
+    largest = jnp.max(bits, axis=-1)
+    none = jnp.full_like(largest, -1)
+
+    def first_kept(values: jax.Array, limit: jax.Array) -> jax.Array:
+        """The smallest pattern B such that `values` summed over the tokens above B stay below
+        `limit` (inf: no limit, B = -1, every token)."""
+        def step(_, bounds):  # invariant: B lies in (lo, hi]; hi satisfies the condition
+            lo, hi = bounds
+            mid = lo + (hi - lo) // 2
+            above = _chunks(jnp.where(bits > mid[:, None], values, 0.0), 0.0).sum(axis=-1).sum(axis=-1)
+            ok = above < limit
+            return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+        search = lambda: jax.lax.fori_loop(0, _SEARCH_STEPS, step, (none, largest))[1]  # noqa: E731
+        return jax.lax.cond(jnp.any(jnp.isfinite(limit)), search, lambda: none)
+
+    # 1 and the vocabulary size are "off" (a sum that rounds above 1 must not cut the tail)
+    from_p = first_kept(probs, jnp.where(s.top_p < 1, s.top_p, jnp.inf))
+    from_k = first_kept(jnp.ones_like(probs), jnp.where((s.top_k > 0) & (s.top_k < vocab), s.top_k, jnp.inf))
+    from_min = jax.lax.bitcast_convert_type(s.min_p * jax.lax.bitcast_convert_type(largest, jnp.float32), jnp.int32)
+    first = jnp.maximum(jnp.maximum(from_p, from_k), from_min)
+    return jax.lax.bitcast_convert_type(jnp.maximum(first, 0), jnp.float32)
 
 
 def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
