@@ -69,9 +69,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     scheduled_time: float | None = None
-    first_token_time: float | None = None
+    first_token_time: float | None = None  # set by the simulator (the engine keeps `RequestMetrics`)
     finish_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # the simulator's step times of its tokens
 
     def __post_init__(self) -> None:
         if self.key is None:

@@ -18,6 +18,7 @@ nothing the second time. A step's results come back in one device-to-host transf
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -193,6 +194,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.penalties = self._empty_penalties()
         self._rows = _RowParams(config.max_num_seqs)
+        self._last_sampling: tuple[np.ndarray, np.ndarray, SamplingInput] | None = None  # (rows, samples, gather)
         self._scratch_row = config.max_num_seqs
         self._no_tokens = self._replicated(np.zeros(config.max_num_seqs, np.int32))  # no previous step
         self.num_compiles = 0
@@ -252,10 +254,16 @@ class ModelRunner:
         return step, sampling, out.decode_only, MAX_LOGPROBS if want_top else 0
 
     def _sampling_input(self, out: SchedulerOutput, s: int) -> SamplingInput:
-        """Per-request sampling arrays, gathered from the rows' parameters and padded to S (greedy)."""
+        """Per-request sampling arrays, gathered from the rows' parameters and padded to S (greedy).
+        A step on the same rows array as the last one (the scheduler's steady decodes) reuses the
+        last gather: only the output counts changed."""
         r, rows = self._rows, out.rows
         processed = r.processed[rows]
-        return SamplingInput(
+        last = self._last_sampling
+        if last is not None and last[0] is rows and last[1] is out.samples and last[2].temperature.shape[0] == s:
+            return dataclasses.replace(last[2], output_index=_pad(out.output_index, s),
+                                       in_min_tokens=_pad(processed & (out.output_index < r.min_tokens[rows]), s))
+        sampling = SamplingInput(
             temperature=_pad(r.temperature[rows], s), top_k=_pad(r.top_k[rows], s), top_p=_pad(r.top_p[rows], s, 1),
             min_p=_pad(r.min_p[rows], s), seed_hi=_pad(r.seed_hi[rows], s), seed_lo=_pad(r.seed_lo[rows], s),
             sample_index=_pad(r.sample_index[rows], s), output_index=_pad(out.output_index, s),
@@ -265,11 +273,14 @@ class ModelRunner:
             presence_penalty=_pad(r.presence[rows], s), frequency_penalty=_pad(r.frequency[rows], s),
             repetition_penalty=_pad(r.repetition[rows], s, 1), want_logprob=_pad(r.logprobs[rows] >= 0, s),
         )
+        self._last_sampling = (rows, out.samples, sampling)
+        return sampling
 
     def _take_row(self, init: RowInit) -> None:
         """A request took `init.row`: its sampling parameters, and its logits-processing table filled
         from its tokens (vectorised) when it uses processing."""
         self._rows.set(init)
+        self._last_sampling = None
         p, vocab = init.params, self.model_config.vocab_size
         if not p.uses_logits_processing:
             return

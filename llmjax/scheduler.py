@@ -84,6 +84,8 @@ class SchedulerOutput:
     rows: np.ndarray = field(default_factory=_empty)  # batch rows
     samples: np.ndarray = field(default_factory=_empty)  # bool: the step ends at the request's last token, so its sampled token is kept
     output_index: np.ndarray = field(default_factory=_empty)  # tokens it sampled before this step (its PRNG stream index)
+    max_output: np.ndarray = field(default_factory=_empty)  # output length at which it ends (max_tokens, max_model_len)
+    stop_ids: np.ndarray = field(default_factory=_empty)  # bool: it has stop_token_ids
     token_ids: np.ndarray = field(default_factory=_empty)  # [num_tokens] the new tokens, flat; 0 where the token is still on the device
     token_source: np.ndarray = field(default_factory=_empty)  # [num_tokens] index in the previous step's sampled tokens, or -1
     block_tables: np.ndarray | None = None  # [n, B] padded with the null block (None in the simulator)
@@ -125,6 +127,12 @@ class Scheduler:
         self.input_closed = False  # static/dynamic: no more arrivals, so a partial batch may start
         self.num_preemptions = 0
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        # per batch row, set when a request takes it: the stop bounds `update_from_output` checks vectorised
+        self._max_output = np.zeros(config.max_num_seqs, np.int64)
+        self._stop_ids = np.zeros(config.max_num_seqs, bool)
+        self._eos = np.array(sorted(eos_token_ids), np.int64)
+        self._running_version = 0  # bumped whenever a request joins or leaves `running`
+        self._last_decodes: tuple[SchedulerOutput, int, list] | None = None  # see `_schedule_decodes`
         if build_step_inputs:  # per batch row: its block table, kept between steps, and its last token
             rows, max_blocks = config.max_num_seqs, self.buckets.max_blocks
             self._tables = np.zeros((rows, max_blocks), np.int32)  # padded with the null block
@@ -145,6 +153,7 @@ class Scheduler:
         request.finish_time = self.clock()
         if request in self.running:
             self.running.remove(request)
+            self._running_version += 1
         elif request in self.waiting:
             self.waiting.remove(request)
         self.batch.discard(request.key)
@@ -154,6 +163,9 @@ class Scheduler:
 
     # --- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        out = self._schedule_decodes()
+        if out is not None:
+            return out
         entries: list[tuple[Request, int]] = []  # (request, new tokens)
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -179,6 +191,45 @@ class Scheduler:
         self._fill(out, entries)
         return out
 
+    def _schedule_decodes(self) -> SchedulerOutput | None:
+        """The steady decode step, derived from the last step's arrays without a pass over the
+        requests' state: the output `schedule`'s general path would build (the tests run both).
+
+        Taken when the last step was decode-only and every request in it sampled, no request has
+        joined or left `running` since (so each needs exactly one token again, in the same order),
+        the token budget covers them, nothing could be admitted, none reaches its length limit with
+        its token still on the device, and the KV pool holds every block they need now (all or
+        nothing, in the general path's order). Otherwise None, with nothing changed."""
+        if self._last_decodes is None:
+            return None
+        last, version, keys = self._last_decodes
+        n, config = len(last.requests), self.config
+        if version != self._running_version or config.max_num_batched_tokens < n:
+            return None
+        if self.waiting and config.max_num_batched_tokens > n and n < config.max_num_seqs:
+            return None  # a waiting request may be admitted
+        output_index = last.output_index + 1
+        if (output_index >= last.max_output).any():
+            return None  # the general path skips it (done when its pending token arrives)
+        start = last.num_computed + 1
+        if not self.kv.grow_each(keys, (start + 1).tolist()):
+            return None  # the general path preempts
+        requests = last.requests
+        pending = []
+        for i, request in enumerate(requests):
+            pending.append(request.num_pending)
+            request.num_computed_tokens += 1
+            request.num_pending += 1
+            request.inflight_index = i
+        out = SchedulerOutput(requests, num_new_tokens=last.num_new_tokens, num_computed=start, rows=last.rows,
+                              samples=last.samples, output_index=output_index, max_output=last.max_output,
+                              stop_ids=last.stop_ids, num_decodes=n, num_tokens=n)
+        out.bucket = self.buckets.shape(n, n, -(-(int(start.max()) + 1) // config.block_size))
+        if self.build_step_inputs:
+            self._step_inputs(out, np.array(pending) > 0, np.arange(n, dtype=np.int32))
+        self._last_decodes = (out, version, keys)
+        return out
+
     def _done_when_pending_arrive(self, request: Request) -> bool:
         """Whether the tokens still on the device take the request to max_tokens or max_model_len."""
         n_out = len(request.output_token_ids) + request.num_pending
@@ -197,6 +248,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        self._running_version += 1
         self.kv.free(request.key, request.token_slice(0, request.num_computed_tokens))
         self._requeue(request)
         out.preempted.append(request)
@@ -208,6 +260,7 @@ class Scheduler:
             self.kv.free(request.key)
             self._requeue(request)
         self.running.clear()
+        self._running_version += 1
 
     def _requeue(self, request: Request) -> None:
         request.num_computed_tokens = 0
@@ -253,9 +306,14 @@ class Scheduler:
             if self.build_step_inputs:
                 self._table_stale[request.row] = True
                 self._last_token[request.row] = request.token_at(request.num_tokens - 1)
-            out.new_rows.append(RowInit(request.row, request.sampling_params, request.seed, request.sample_index,
+            params = request.sampling_params
+            max_tokens = params.max_tokens if params.max_tokens is not None else self.config.max_model_len
+            self._max_output[request.row] = min(max_tokens, self.config.max_model_len - len(request.prompt_token_ids))
+            self._stop_ids[request.row] = bool(params.stop_token_ids)
+            out.new_rows.append(RowInit(request.row, params, request.seed, request.sample_index,
                                         request.prompt_token_ids, request.output_token_ids))
             self.running.append(request)
+            self._running_version += 1
             entries.append((request, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
@@ -273,6 +331,7 @@ class Scheduler:
 
     def _fill(self, out: SchedulerOutput, entries: list[tuple[Request, int]]) -> None:
         """Order the step (decodes first), advance each request's progress, and write the arrays."""
+        self._last_decodes = None
         decodes = [e for e in entries if e[1] == 1]
         if len(decodes) < len(entries):
             entries = decodes + [e for e in entries if e[1] > 1]
@@ -293,38 +352,40 @@ class Scheduler:
         new, start, length, n_out, rows = state[:, 0], state[:, 1], state[:, 2], state[:, 3], state[:, 4]
         out.num_new_tokens, out.num_computed, out.output_index, out.rows = new, start, n_out, rows
         out.samples = start + new == length
+        out.max_output, out.stop_ids = self._max_output[rows], self._stop_ids[rows]
         out.num_tokens = int(new.sum())
         max_blocks = -(-int((start + new).max()) // self.config.block_size)
         out.bucket = self.buckets.shape(out.num_tokens, n, max_blocks)
         if self.build_step_inputs:
-            self._step_inputs(out, entries, state[:, 5] > 0, state[:, 6])
+            self._step_inputs(out, state[:, 5] > 0, state[:, 6])
         for i, (request, k), samples in zip(range(n), entries, out.samples.tolist()):
             request.num_computed_tokens += k
             if samples:
                 request.num_pending += 1
                 request.inflight_index = i
+        if out.decode_only and out.samples.all():
+            self._last_decodes = (out, self._running_version, [r.key for r in out.requests])
 
-    def _step_inputs(self, out: SchedulerOutput, entries: list[tuple[Request, int]], pending: np.ndarray,
-                     inflight_index: np.ndarray) -> None:
+    def _step_inputs(self, out: SchedulerOutput, pending: np.ndarray, inflight_index: np.ndarray) -> None:
         """The new tokens and the block tables, padded to the bucket's B. A decode's token is its row's
         last token, or, still on the device (`pending`), its index in the previous step's output; a
         one-token step that is not at the end of the request (a prefill chunk cut to the last unit of
         budget) reads its token. Rows whose table grew or changed are rewritten from the KV manager;
         the others are read as kept."""
-        d, rows, start = out.num_decodes, out.rows, out.num_computed
+        d, rows, start, requests = out.num_decodes, out.rows, out.num_computed, out.requests
         source = np.full(out.num_tokens, -1, np.int32)
         tokens = np.zeros(out.num_tokens, np.int32)
         tokens[:d] = np.where(pending[:d], 0, self._last_token[rows[:d]])
         source[:d] = np.where(pending[:d], inflight_index[:d], -1)
         for i in np.flatnonzero(~out.samples[:d]).tolist():
-            tokens[i], source[i] = entries[i][0].token_at(int(start[i])), -1
-        if d < len(entries):
-            tokens[d:] = np.concatenate([r.token_slice(int(s), int(s) + k)
-                                         for (r, k), s in zip(entries[d:], start[d:])])
+            tokens[i], source[i] = requests[i].token_at(int(start[i])), -1
+        if d < len(requests):
+            tokens[d:] = np.concatenate([r.token_slice(s, s + k) for r, s, k in
+                                         zip(requests[d:], start[d:].tolist(), out.num_new_tokens[d:].tolist())])
         out.token_ids, out.token_source = tokens, source
         num_blocks = -(-(start + out.num_new_tokens) // self.config.block_size)
         for i in np.flatnonzero((num_blocks != self._table_len[rows]) | self._table_stale[rows]).tolist():
-            table, row = self.kv.block_table(entries[i][0].key), rows[i]
+            table, row = self.kv.block_table(requests[i].key), rows[i]
             self._tables[row, : len(table)] = table
             self._tables[row, len(table) :] = 0
             self._table_len[row], self._table_stale[row] = len(table), False
@@ -333,46 +394,71 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: np.ndarray) -> list[tuple[int, Request]]:
         """Apply a finished step: `sampled[i]` is the token of `out.requests[i]`.
 
-        Caches the full pages of prefill chunks (so a request's other samples, released after its
-        first token, find its prompt); appends each kept token (with its time), checks EOS
-        and stop ids (after `min_tokens`), `max_tokens` and `max_model_len`, and finishes those
-        requests (blocks freed). A request that finished meanwhile (an earlier step's stop, an
-        abort) gets nothing. Returns (index in the step, request) of every request that got a
-        token, in step order; the finished ones have a finished status.
+        Appends each kept token and checks EOS and stop ids (after `min_tokens`),
+        `max_tokens` and `max_model_len`, finishing those requests (blocks freed); caches the full
+        pages of prefill chunks (so a request's other samples, released after its first token, find
+        its prompt). A request that finished meanwhile (an earlier step's stop, an abort) gets
+        nothing. Returns (index in the step, request) of every request that got a token, in step
+        order; the finished ones have a finished status.
+
+        Decodes first, vectorised: only the requests whose token or length may end them (an EOS
+        id, stop ids, the length limit: `out.max_output`) are checked one by one. Then the prefill
+        chunks in step order, as the general case.
         """
-        now = self.clock()
-        appended = []
         running, waiting = RequestStatus.RUNNING, RequestStatus.WAITING
-        chunks = self.config.enable_prefix_caching and out.num_decodes < len(out.requests)
+        requests, d = out.requests, out.num_decodes
         tokens = sampled.tolist()
-        eos, max_len = self.eos_token_ids, self.config.max_model_len
-        for i, (request, samples) in enumerate(zip(out.requests, out.samples.tolist())):
+        appended = []
+        keeps = np.flatnonzero(out.samples[:d]) if d and not out.samples[:d].all() else range(d)
+        for i in keeps:
+            request = requests[i]
             status = request.status
             if status is not running and status is not waiting:
                 continue  # finished meanwhile
-            if chunks and i >= out.num_decodes and status is running:
+            request.num_pending -= 1
+            request.output_token_ids.append(tokens[i])
+            appended.append((i, request))
+        if appended:
+            got = np.fromiter((i for i, _ in appended), np.int64, len(appended)) if len(appended) < d else slice(0, d)
+            got_tokens = sampled[got]
+            if self.build_step_inputs:  # rows taken at schedule time: not reassigned while their owner is live
+                self._last_token[out.rows[got]] = got_tokens
+            may_stop = (out.output_index[got] + 1 >= out.max_output[got]) | out.stop_ids[got]
+            for eos in self._eos:
+                may_stop |= got_tokens == eos
+            for j in np.flatnonzero(may_stop).tolist():
+                i, request = appended[j]
+                self._check_stops(request, tokens[i])
+        chunks = self.config.enable_prefix_caching
+        for i in range(d, len(requests)):
+            request = requests[i]
+            status = request.status
+            if status is not running and status is not waiting:
+                continue
+            if chunks and status is running:
                 self.kv.cache_blocks(request.key, request.token_slice(0, request.num_computed_tokens))
                 if self.build_step_inputs:
                     self._table_stale[request.row] = True  # pages may now be another request's canonical blocks
-            if not samples:
+            if not out.samples[i]:
                 continue
             request.num_pending -= 1
             token = tokens[i]
             request.output_token_ids.append(token)
             if self.build_step_inputs and request.row >= 0:  # a preempted request has no row
                 self._last_token[request.row] = token
-            request.token_times.append(now)
-            if request.first_token_time is None:
-                request.first_token_time = now
             appended.append((i, request))
-            # the stops: EOS, stop ids (both only after min_tokens), then max_tokens and max_model_len
-            params = request.sampling_params
-            n_out = len(request.output_token_ids)
-            if n_out >= params.min_tokens and ((token in eos and not params.ignore_eos)
-                                               or token in params.stop_token_ids):
-                if token not in eos or params.ignore_eos:
-                    request.stop_reason = token
-                self.finish(request, RequestStatus.FINISHED_STOPPED)
-            elif n_out >= params.max_tokens or n_out + len(request.prompt_token_ids) >= max_len:
-                self.finish(request, RequestStatus.FINISHED_LENGTH)
+            self._check_stops(request, token)
         return appended
+
+    def _check_stops(self, request: Request, token: int) -> None:
+        """Finish `request` if its new `token` ends it: EOS or a stop id (both only after
+        `min_tokens`), then `max_tokens` and `max_model_len`."""
+        params = request.sampling_params
+        n_out = len(request.output_token_ids)
+        eos = self.eos_token_ids
+        if n_out >= params.min_tokens and ((token in eos and not params.ignore_eos) or token in params.stop_token_ids):
+            if token not in eos or params.ignore_eos:
+                request.stop_reason = token
+            self.finish(request, RequestStatus.FINISHED_STOPPED)
+        elif n_out >= params.max_tokens or n_out + len(request.prompt_token_ids) >= self.config.max_model_len:
+            self.finish(request, RequestStatus.FINISHED_LENGTH)

@@ -216,3 +216,51 @@ def test_check_invariants_catches_a_corrupted_table():
     m._seqs["a"].block_table.append(7)
     with pytest.raises(AssertionError, match="block 7: ref count 0, 1 tables hold it"):
         m.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_grow_each_is_sequential_grows_all_or_nothing(seed):
+    """`grow_each` against `grow` called request by request on a copy: the same state when every grow
+    fits (blocks taken in the same order, evicting the same cached blocks), no change otherwise."""
+    import copy
+    import random
+
+    rng = random.Random(seed)
+    m = KVCacheManager(num_blocks=24, block_size=4)
+    for i in range(4):  # cached pages that growth may evict
+        m.allocate(f"old{i}", [50 + i] * 8, 100)
+        m.free(f"old{i}", [50 + i] * 8)
+    keys = []
+    for i in range(5):
+        prompt = [i] * rng.randint(1, 9)
+        m.allocate(i, prompt, 100)
+        keys.append(i)
+    for _ in range(12):
+        totals = [m.num_tokens(k) + rng.choice([0, 1, 1, 1, 4, 7]) for k in keys]
+        reference = copy.deepcopy(m)
+        fits = True
+        for k, n in zip(keys, totals):
+            if not reference.grow(k, n):
+                fits = False
+                break
+        before = snapshot(m)
+        assert m.grow_each(keys, totals) == fits
+        assert snapshot(m) == (snapshot(reference) if fits else before)
+        m.check_invariants()
+        if not fits:
+            return
+    pytest.fail("the pool never ran out")
+
+
+def test_grow_each_validates_before_changing_anything():
+    m = KVCacheManager(num_blocks=8, block_size=2)
+    m.allocate("a", [1, 2, 3], 100)
+    m.allocate("b", [4], 100)
+    before = snapshot(m)
+    with pytest.raises(KeyError):
+        m.grow_each(["a", "nobody"], [4, 4])
+    with pytest.raises(ValueError):
+        m.grow_each(["a", "b"], [4, 0])  # b would shrink
+    with pytest.raises(ValueError):
+        m.grow_each(["a", "b"], [4, 100])  # more blocks than the pool has
+    assert snapshot(m) == before

@@ -3,6 +3,7 @@
 import itertools
 
 import numpy as np
+import pytest
 
 from llmjax.config import EngineConfig
 from llmjax.kv.manager import KVCacheManager
@@ -159,3 +160,82 @@ def test_a_step_scheduled_before_the_previous_ones_tokens_arrive():
     assert [(i, r) for i, r in s.update_from_output(second, np.array([7, 7]))] == [(1, b)]  # a's token dropped
     assert b.output_token_ids == [7, 7] and b.num_pending == 0 and a.output_token_ids == [9]
     s.kv.check_invariants()
+
+
+def _drive(fast_path: bool, async_steps: bool, seed: int, num_blocks: int, monkeypatch) -> tuple[list, list, int]:
+    """A random workload (shared prefixes, EOS and stop ids, max_tokens, a pool small enough to
+    preempt, aborts) through a scheduler that builds step inputs; each sampled token is a function
+    of its request and position, so two runs see the same tokens. Returns every step's arrays,
+    every request's final state, and how many steps took the steady-decode path."""
+    fast_steps = [0]
+    general = Scheduler._schedule_decodes
+
+    def counted(self):
+        out = general(self) if fast_path else None
+        fast_steps[0] += out is not None
+        return out
+
+    monkeypatch.setattr(Scheduler, "_schedule_decodes", counted)
+    rng = np.random.default_rng(seed)
+    s = scheduler(num_blocks=num_blocks, build_step_inputs=True, eos_token_ids=frozenset({5}), max_num_seqs=4,
+                  max_num_batched_tokens=24, max_model_len=64)
+    requests = []
+    for i in range(24):
+        prompt = ([3] * 8 if i % 3 == 0 else []) + list(range(100 + 20 * i, 100 + 20 * i + int(rng.integers(2, 12))))
+        params = SamplingParams(max_tokens=int(rng.integers(2, 30)), ignore_eos=bool(i % 4 == 1),
+                                stop_token_ids=[6] if i % 5 == 2 else [], min_tokens=2 if i % 7 == 3 else 0)
+        requests.append(Request(f"q{i}", prompt, params, seed=0))
+    arrivals = sorted(int(t) for t in rng.integers(0, 40, len(requests)))
+    steps, inflight, t = [], None, 0
+    while t < 400 and (arrivals or s.has_unfinished() or inflight is not None):
+        while arrivals and arrivals[0] <= t:
+            arrivals.pop(0)
+            s.add(requests[len(requests) - len(arrivals) - 1])
+        if t % 17 == 5 and s.running:  # an abort
+            s.finish(s.running[int(rng.integers(len(s.running)))], RequestStatus.FINISHED_ABORTED)
+        out = s.schedule()
+        flat = 0
+        for r, start, k in zip(out.requests, out.num_computed.tolist(), out.num_new_tokens.tolist()):
+            for pos in range(start, start + k):  # each token from the host's copy, or on the device
+                known = pos < r.num_tokens
+                assert out.token_source[flat] == -1 if known else out.token_source[flat] >= 0
+                assert not known or out.token_ids[flat] == r.token_at(pos)
+                flat += 1
+        if not out.empty:
+            steps.append(([r.request_id for r in out.requests], out.num_new_tokens.tolist(),
+                          out.num_computed.tolist(), out.rows.tolist(), out.samples.tolist(),
+                          out.output_index.tolist(), out.token_ids.tolist(), out.token_source.tolist(),
+                          out.block_tables.tolist(), out.bucket, [r.request_id for r in out.preempted]))
+        done, inflight = (inflight, out) if async_steps else (out, None)
+        if done is not None and not done.empty:
+            tokens = [5 if (int(r.request_id[1:]) + len(r.output_token_ids)) % 29 == 0 else
+                      6 if (int(r.request_id[1:]) + len(r.output_token_ids)) % 23 == 0 else 40 + len(r.output_token_ids)
+                      for r in done.requests]
+            s.update_from_output(done, np.array(tokens))
+            for r, token in zip(done.requests, tokens):  # the stop rules, checked independently
+                out_ids, p = r.output_token_ids, r.sampling_params
+                if r.status is RequestStatus.FINISHED_ABORTED or not out_ids or out_ids[-1] != token:
+                    continue
+                ends = len(out_ids) >= p.max_tokens or (len(out_ids) >= p.min_tokens and (
+                    (token == 5 and not p.ignore_eos) or token in p.stop_token_ids))
+                assert ends == r.status.finished, (r.request_id, out_ids, r.status)
+        s.kv.check_invariants()
+        t += 1
+    final = [(r.request_id, r.status, r.output_token_ids, r.num_preemptions, r.stop_reason) for r in requests]
+    return steps, final, fast_steps[0]
+
+
+@pytest.mark.parametrize("async_steps", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("num_blocks", [16, 64])  # a pool that preempts, one that never does
+def test_steady_decode_path_builds_the_general_paths_steps(async_steps, seed, num_blocks, monkeypatch):
+    """`_schedule_decodes` (derived from the last step's arrays) against the general path alone, on
+    the same workload: the same steps, arrays and outcomes, and the fast path taken often."""
+    steps, final, fast = _drive(True, async_steps, seed, num_blocks, monkeypatch)
+    ref_steps, ref_final, ref_fast = _drive(False, async_steps, seed, num_blocks, monkeypatch)
+    assert ref_fast == 0 and fast >= (5 if num_blocks == 16 else len(steps) // 3), (fast, len(steps))
+    assert steps == ref_steps
+    assert final == ref_final
+    statuses = {status for _, status, *_ in final}
+    assert {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED} <= statuses
+    assert any(pre for *_, pre in steps) == (num_blocks == 16)

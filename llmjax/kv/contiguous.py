@@ -217,6 +217,16 @@ class ContiguousKVCache:
         span.num_tokens = num_tokens
         return True
 
+    def grow_each(self, req_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> bool:
+        """`grow` for each request, every one checked before any changes; always True."""
+        spans = [self._span(r) for r in req_ids]
+        for span, req_id, n in zip(spans, req_ids, num_tokens):
+            if not span.num_tokens <= n <= span.final_len:
+                self.grow(req_id, n)  # raises
+        for span, n in zip(spans, num_tokens):
+            span.num_tokens = n
+        return True
+
     def free(self, req_id: Hashable, token_ids: Sequence[int] | None = None) -> None:
         """Release the request's run (finish, abort or preemption). KeyError for an unknown request."""
         self.buddy.free(self._span(req_id).offset)

@@ -118,16 +118,37 @@ class KVCacheManager:
             seq.num_tokens = num_tokens
             self._num_seq_tokens += num_tokens - held
             return True
-        if num_tokens < held:
-            raise ValueError(f"request {req_id!r} holds {held} tokens; cannot shrink to {num_tokens}")
-        need = self.num_blocks_for(num_tokens) - len(seq.block_table)
-        if need > 0:
-            self._check_fits(num_tokens)
-            if need > self.block_pool.num_free + self.block_pool.num_evictable:
-                return False
-            seq.block_table += self._take(need)
-        self._num_seq_tokens += num_tokens - seq.num_tokens
-        seq.num_tokens = num_tokens
+        return self.grow_each((req_id,), (num_tokens,))
+
+    def grow_each(self, req_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> bool:
+        """`grow` request `req_ids[i]` to `num_tokens[i]` tokens for every i, all or nothing: False
+        (nothing changed) when the pool cannot hold the blocks they need together. New blocks are
+        taken in the order of `req_ids`, as that many `grow` calls would. Errors as `grow`, checked
+        before anything changes."""
+        seqs, block_size = self._seqs, self.block_size
+        held = []  # their `_Seq`s
+        short = []  # (seq, tokens) of the requests that cross into a new block
+        try:
+            for req_id, n in zip(req_ids, num_tokens):
+                seq = seqs[req_id]
+                held.append(seq)
+                if not seq.num_tokens <= n <= len(seq.block_table) * block_size:
+                    if n < seq.num_tokens:
+                        raise ValueError(f"request {req_id!r} holds {seq.num_tokens} tokens; cannot shrink to {n}")
+                    self._check_fits(n)
+                    short.append((seq, n))
+        except KeyError:
+            self._seq(req_id)  # raises the KeyError with its message
+        need = sum(self.num_blocks_for(n) - len(seq.block_table) for seq, n in short)
+        if need > self.block_pool.num_free + self.block_pool.num_evictable:
+            return False
+        for seq, n in short:
+            seq.block_table += self._take(self.num_blocks_for(n) - len(seq.block_table))
+        before = 0
+        for seq, n in zip(held, num_tokens):
+            before += seq.num_tokens
+            seq.num_tokens = n
+        self._num_seq_tokens += sum(num_tokens) - before
         return True
 
     def cache_blocks(self, req_id: Hashable, token_ids: Sequence[int]) -> None:
