@@ -7,7 +7,8 @@ scratch row) and the jitted step. It never reads `Request` objects: everything c
 scheduler's arrays and its `RowInit`s.
 
 The step is a pure function of (parameters, cache, penalty tables, the previous step's sampled
-tokens, StepInput, SamplingInput); the cache and the tables are donated, so the KV write and the
+tokens, StepInput, SamplingInput); the last two travel packed in one int32 buffer
+(`llmjax.step_input.pack`: one host-to-device transfer a step); the cache and the tables are donated, so the KV write and the
 token counts happen in place and no step copies the cache. A new token still on the device (the
 scheduler's `token_source`) is read from the previous step's sampled tokens inside the step, so
 step N+1 can be dispatched before step N's tokens reach the host (asynchronous scheduling).
@@ -40,7 +41,7 @@ from llmjax.models.transformer import init_cache
 from llmjax.sampler import PenaltyState, SamplingInput, sample
 from llmjax.sampling_params import MAX_LOGPROBS
 from llmjax.scheduler import RowInit, SchedulerOutput
-from llmjax.step_input import StepInput
+from llmjax.step_input import PackLayout, StepInput, pack, unpack
 
 
 def enable_compilation_cache(path: str | None = None) -> None:
@@ -98,9 +99,10 @@ def _make_step_function(graphdef, backend, block_size: int, layout: parallel.Lay
     if layout is not None:
         backend = parallel.sharded_attention(backend, layout.mesh)
 
-    def step(params, cache, penalties: PenaltyState, prev_tokens, step_input: StepInput, sampling: SamplingInput,
-             decode_only: bool, num_top_logprobs: int):
+    def step(params, cache, penalties: PenaltyState, prev_tokens, inputs, layout: PackLayout, decode_only: bool,
+             num_top_logprobs: int):
         traces[0] += 1  # runs only while tracing
+        step_input, sampling = unpack(inputs, layout)  # (StepInput, SamplingInput), packed on the host
         src = step_input.token_source
         tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, max_num_seqs - 1)], step_input.token_ids)
         step_input = step_input.replace(token_ids=tokens)
@@ -114,13 +116,13 @@ def _make_step_function(graphdef, backend, block_size: int, layout: parallel.Lay
 
     shardings = {}
     if layout is not None:  # the penalty tables, tokens and batch metadata are replicated
-        (params, cache, *rest), (out, out_cache) = (layout.jit_shardings()[k] for k in ("in_shardings",
-                                                                                         "out_shardings"))
+        (params, cache, *_), (out, out_cache) = (layout.jit_shardings()[k] for k in ("in_shardings",
+                                                                                      "out_shardings"))
         rep = layout.replicated
-        shardings = dict(in_shardings=(params, cache, rep, rep, *rest),
+        shardings = dict(in_shardings=(params, cache, rep, rep, rep),
                          out_shardings=(rep, out, out_cache, rep))
     # static arguments by position: jit accepts no keyword arguments alongside in_shardings
-    jitted = jax.jit(step, static_argnums=(6, 7), donate_argnums=(1, 2), **shardings)
+    jitted = jax.jit(step, static_argnums=(5, 6, 7), donate_argnums=(1, 2), **shardings)
     return jitted, traces
 
 
@@ -220,7 +222,7 @@ class ModelRunner:
         traces_before = self._traces[0]
         prev = self._no_tokens if prev_tokens is None else prev_tokens
         tokens, packed, self.cache, self.penalties = self._step_fn(
-            self.params, self.cache, self.penalties, prev, step, sampling, decode_only, num_top_logprobs)
+            self.params, self.cache, self.penalties, prev, *pack((step, sampling)), decode_only, num_top_logprobs)
         self.num_compiles += self._traces[0] - traces_before
         return tokens, packed
 
@@ -370,4 +372,4 @@ class ModelRunner:
     def lower(self, t: int, s: int, b: int, decode_only: bool = False) -> jax.stages.Lowered:
         """The step of bucket (T, S, B) lowered for inspection (`.compile().as_text()` is its HLO); runs nothing."""
         return self._step_fn.lower(self.params, self.cache, self.penalties, self._no_tokens,
-                                   *self.padding_inputs(t, s, b), decode_only, 0)
+                                   *pack(self.padding_inputs(t, s, b)), decode_only, 0)

@@ -10,9 +10,12 @@ requests have zero new tokens and seq_len 0; padded tokens write to the null blo
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
@@ -30,3 +33,36 @@ class StepInput:
 
     def replace(self, **changes) -> StepInput:
         return dataclasses.replace(self, **changes)
+
+
+PackLayout = tuple  # (treedef, ((shape, dtype char), ...)): static, hashable
+
+
+def pack(tree) -> tuple[np.ndarray, PackLayout]:
+    """A pytree of host arrays (4-byte dtypes and bool) as one flat int32 buffer and its layout, so
+    a step's inputs reach the device in one transfer instead of one per array. `unpack` inverts it
+    inside the jitted step (slices and bit casts: free there)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    parts = [x.reshape(-1).view(np.int32) if x.dtype.itemsize == 4 else x.reshape(-1).astype(np.int32)
+             for x in leaves]
+    shapes = tuple((x.shape, x.dtype.char) for x in leaves)
+    if any(x.dtype.itemsize != 4 and x.dtype != np.bool_ for x in leaves):
+        raise TypeError(f"cannot pack {[x.dtype for x in leaves]} (4-byte dtypes and bool only)")
+    return np.concatenate(parts), (treedef, shapes)
+
+
+def unpack(buffer: jax.Array, layout: PackLayout):
+    """The pytree `pack` flattened into `buffer` (traced: inside a jitted function)."""
+    treedef, shapes = layout
+    leaves, offset = [], 0
+    for shape, char in shapes:
+        size = math.prod(shape)
+        x = buffer[offset : offset + size].reshape(shape)
+        offset += size
+        dtype = np.dtype(char)
+        if dtype == np.bool_:
+            x = x != 0
+        elif dtype != np.int32:
+            x = jax.lax.bitcast_convert_type(x, dtype)
+        leaves.append(x)
+    return jax.tree.unflatten(treedef, leaves)

@@ -1,7 +1,9 @@
-"""The step bucket rules and warm-up shapes (pure Python: nothing is compiled here)."""
+"""The step bucket rules and warm-up shapes (pure Python), and the packing of a step's host inputs."""
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 import pytest
 
 from llmjax import buckets as buckets_mod
@@ -50,3 +52,25 @@ def test_token_slice_equals_slicing_the_whole_sequence():
     for start in range(8):
         for end in range(start, 9):
             assert request.token_slice(start, end) == request.all_token_ids[start:end]
+
+
+def test_packed_inputs_round_trip_bit_for_bit():
+    """`pack` on the host, `unpack` inside jit: every leaf back with its shape, dtype and bits
+    (NaN payloads, -0.0, the top bit of uint32 included); other dtypes are refused."""
+    from llmjax.step_input import pack, unpack
+
+    rng = np.random.default_rng(0)
+    floats = rng.standard_normal(7).astype(np.float32)
+    floats[:3] = [np.float32("nan"), -0.0, np.inf]
+    tree = {"i": rng.integers(-2**31, 2**31, (3, 4), dtype=np.int32), "f": floats,
+            "u": np.array([0, 2**31 + 5, 2**32 - 1], np.uint32), "b": np.array([True, False, True]),
+            "scalar": np.int32(-7)}
+    buffer, layout = pack(tree)
+    assert buffer.dtype == np.int32 and buffer.ndim == 1
+    back = jax.jit(unpack, static_argnums=1)(buffer, layout)
+    for key, value in tree.items():
+        got = np.asarray(back[key])
+        assert got.shape == np.shape(value) and got.dtype == np.asarray(value).dtype, key
+        assert got.tobytes() == np.asarray(value).tobytes(), key
+    with pytest.raises(TypeError):
+        pack({"half": np.zeros(2, np.float16)})
