@@ -88,10 +88,12 @@ def release_compiled_steps() -> None:
     jax.clear_caches()
 
 
-def _make_step_function(graphdef, backend, block_size: int, layout: parallel.Layout | None, max_num_seqs: int):
+def _make_step_function(graphdef, param_tree, backend, block_size: int, layout: parallel.Layout | None,
+                        max_num_seqs: int):
     """The jitted step for one model structure (config, parameter tree, shapes and dtypes) and mesh;
     shared by runners of equal structure (so tests and experiments that build several engines
-    compile each bucket once per process).
+    compile each bucket once per process). The parameters are passed as the flat leaves of
+    `param_tree` (flattening flax's State on every call costs more than the rest of the arguments).
     With a `layout` the step is partitioned over its mesh, attention runs per device, and the
     shardings of every input and output are fixed, so they never trigger a recompilation.
     Returns (jitted function, a one-element list counting traces = compilations)."""
@@ -103,6 +105,7 @@ def _make_step_function(graphdef, backend, block_size: int, layout: parallel.Lay
              num_top_logprobs: int):
         traces[0] += 1  # runs only while tracing
         step_input, sampling = unpack(inputs, layout)  # (StepInput, SamplingInput), packed on the host
+        params = jax.tree.unflatten(param_tree, params)
         src = step_input.token_source
         tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, max_num_seqs - 1)], step_input.token_ids)
         step_input = step_input.replace(token_ids=tokens)
@@ -119,7 +122,7 @@ def _make_step_function(graphdef, backend, block_size: int, layout: parallel.Lay
         (params, cache, *_), (out, out_cache) = (layout.jit_shardings()[k] for k in ("in_shardings",
                                                                                       "out_shardings"))
         rep = layout.replicated
-        shardings = dict(in_shardings=(params, cache, rep, rep, rep),
+        shardings = dict(in_shardings=(tuple(jax.tree.leaves(params)), cache, rep, rep, rep),
                          out_shardings=(rep, out, out_cache, rep))
     # static arguments by position: jit accepts no keyword arguments alongside in_shardings
     jitted = jax.jit(step, static_argnums=(5, 6, 7), donate_argnums=(1, 2), **shardings)
@@ -192,6 +195,7 @@ class ModelRunner:
             self.params = jax.device_put(model.params)
         else:
             self.params = self.layout.place_params(model.params)
+        self._param_leaves = tuple(jax.tree.leaves(self.params))
         self.cache = self._empty_cache()
         self.eos_token_ids = eos_token_ids
         self.penalties = self._empty_penalties()
@@ -208,8 +212,8 @@ class ModelRunner:
                      tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(model.params)))  # e.g. packed or not
         key = (model.config, structure, self.backend.name, self.block_size, mesh, config.max_num_seqs)
         if key not in _STEP_FUNCTIONS:
-            _STEP_FUNCTIONS[key] = _make_step_function(model.graphdef, self.backend, self.block_size, self.layout,
-                                                       config.max_num_seqs)
+            _STEP_FUNCTIONS[key] = _make_step_function(model.graphdef, jax.tree.structure(self.params), self.backend,
+                                                       self.block_size, self.layout, config.max_num_seqs)
         self._step_fn, self._traces = _STEP_FUNCTIONS[key]
 
     def _replicated(self, x):
@@ -222,7 +226,8 @@ class ModelRunner:
         traces_before = self._traces[0]
         prev = self._no_tokens if prev_tokens is None else prev_tokens
         tokens, packed, self.cache, self.penalties = self._step_fn(
-            self.params, self.cache, self.penalties, prev, *pack((step, sampling)), decode_only, num_top_logprobs)
+            self._param_leaves, self.cache, self.penalties, prev, *pack((step, sampling)), decode_only,
+            num_top_logprobs)
         self.num_compiles += self._traces[0] - traces_before
         return tokens, packed
 
@@ -371,5 +376,5 @@ class ModelRunner:
 
     def lower(self, t: int, s: int, b: int, decode_only: bool = False) -> jax.stages.Lowered:
         """The step of bucket (T, S, B) lowered for inspection (`.compile().as_text()` is its HLO); runs nothing."""
-        return self._step_fn.lower(self.params, self.cache, self.penalties, self._no_tokens,
+        return self._step_fn.lower(self._param_leaves, self.cache, self.penalties, self._no_tokens,
                                    *pack(self.padding_inputs(t, s, b)), decode_only, 0)
