@@ -20,6 +20,7 @@ outputs with `error` set, blocks freed); one while appending a request's token f
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import time
@@ -39,7 +40,7 @@ from llmjax.kv.sizing import device_memory_stats, kv_budget_bytes, num_blocks_fr
 from llmjax.models.loader import LoadedModel, default_dtype, load_model
 from llmjax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmjax.request import Request, RequestStatus
-from llmjax.runner import InFlight, ModelRunner, enable_compilation_cache
+from llmjax.runner import InFlight, ModelRunner, StepResult, enable_compilation_cache
 from llmjax.sampling_params import RequestOutputKind, SamplingParams
 from llmjax.scheduler import Scheduler, SchedulerOutput
 from llmjax.tokenizer import CharTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -48,6 +49,18 @@ CPU_KV_BUDGET_BYTES = 1 << 30
 DELTA = RequestOutputKind.DELTA
 
 log = logging.getLogger(__name__)
+
+
+def freeze_gc_heap() -> None:
+    """Collect, then exempt every object alive now from Python's cyclic garbage collector
+    (`gc.freeze`). Called once a serving process has built and warmed up its engine: the objects of
+    the model, JAX and flax then no longer make each full collection walk them, which otherwise
+    costs a step several milliseconds every few hundred steps (measured: `tiny-gqa`, 256 decodes with
+    delta outputs, 4.9 ms a step over the 30 steps that held one, against 2.1 ms). Objects frozen
+    are still freed by reference counting; only garbage cycles among them stay. Not for a process
+    that goes on building and dropping engines (a test suite)."""
+    gc.collect()
+    gc.freeze()
 
 
 class RequestError(ValueError):
@@ -255,6 +268,11 @@ class LLMEngine:
         except Exception as exc:
             log.exception("engine step failed; failing its %d requests", len(out.requests))
             return self._fail_step(out, exc)
+        return self.apply_step(out, result)
+
+    def apply_step(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        """Apply a step's results (the scheduler's update, then text, stop strings and outputs); its
+        delta outputs. `step()` calls it once the device has returned them."""
         t1 = time.perf_counter()
         appended = self.scheduler.update_from_output(out, result.token_ids)
         t2 = time.perf_counter()

@@ -94,6 +94,7 @@ class SchedulerOutput:
     num_tokens: int = 0
     new_rows: list[RowInit] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    running_version: int = -1  # a decode-only step where every request samples: the scheduler's running version then
 
     @property
     def empty(self) -> bool:
@@ -227,6 +228,7 @@ class Scheduler:
         out.bucket = self.buckets.shape(n, n, -(-(int(start.max()) + 1) // config.block_size))
         if self.build_step_inputs:
             self._step_inputs(out, np.array(pending) > 0, np.arange(n, dtype=np.int32))
+        out.running_version = version
         self._last_decodes = (out, version, keys)
         return out
 
@@ -364,6 +366,7 @@ class Scheduler:
                 request.num_pending += 1
                 request.inflight_index = i
         if out.decode_only and out.samples.all():
+            out.running_version = self._running_version
             self._last_decodes = (out, self._running_version, [r.key for r in out.requests])
 
     def _step_inputs(self, out: SchedulerOutput, pending: np.ndarray, inflight_index: np.ndarray) -> None:
@@ -408,16 +411,21 @@ class Scheduler:
         running, waiting = RequestStatus.RUNNING, RequestStatus.WAITING
         requests, d = out.requests, out.num_decodes
         tokens = sampled.tolist()
-        appended = []
-        keeps = np.flatnonzero(out.samples[:d]) if d and not out.samples[:d].all() else range(d)
-        for i in keeps:
-            request = requests[i]
-            status = request.status
-            if status is not running and status is not waiting:
-                continue  # finished meanwhile
-            request.num_pending -= 1
-            request.output_token_ids.append(tokens[i])
-            appended.append((i, request))
+        if out.running_version == self._running_version:  # all decodes, all sampled, all still running
+            for request, token in zip(requests, tokens):
+                request.num_pending -= 1
+                request.output_token_ids.append(token)
+            appended = list(enumerate(requests))
+        else:
+            appended = []
+            for i in np.flatnonzero(out.samples[:d]).tolist():
+                request = requests[i]
+                status = request.status
+                if status is not running and status is not waiting:
+                    continue  # finished meanwhile
+                request.num_pending -= 1
+                request.output_token_ids.append(tokens[i])
+                appended.append((i, request))
         if appended:
             got = np.fromiter((i for i, _ in appended), np.int64, len(appended)) if len(appended) < d else slice(0, d)
             got_tokens = sampled[got]

@@ -74,7 +74,7 @@ def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info") -> in
 def run_server(args: argparse.Namespace) -> None:
     """`llmjax serve`: exits with status 1 on a bad configuration or when the engine loop dies."""
     from llmjax.config import ConfigError
-    from llmjax.engine import LLMEngine
+    from llmjax.engine import LLMEngine, freeze_gc_heap
     from llmjax.engine_args import engine_config_from_args
     from llmjax.models.loader import resolve_source
     from llmjax.serve.api import build_app
@@ -93,5 +93,6 @@ def run_server(args: argparse.Namespace) -> None:
         sys.exit(f"error: {exc}")
     if args.warmup:
         engine.warmup()
+    freeze_gc_heap()
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
     sys.exit(serve_app(app, args.host, args.port, args.uvicorn_log_level))
