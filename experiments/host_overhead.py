@@ -150,7 +150,8 @@ def cache_effect(n: int, output_kind: str, steps: int, context: int) -> dict:
             for phase, dt in zip(CACHE_PHASES, (t1 - t0, t2 - t1, t4 - t3)):
                 spent[phase] += dt / steps
         times[label] = spent
-    return {**times, "kv_bytes": kv_bytes}
+    return {**times, "hot_total": sum(times["hot"].values()), "streamed_total": sum(times["streamed"].values()),
+            "kv_bytes": kv_bytes, "concurrency": n}
 
 
 def main() -> None:
@@ -194,7 +195,7 @@ def main() -> None:
         hot, cold = c["hot"], c["streamed"]
         cache_lines.append(f"| {kind} | {c['kv_bytes'] / 2**20:.0f} | " + " | ".join(
             f"{1e6 * hot[p]:.0f} / {1e6 * cold[p]:.0f}" for p in CACHE_PHASES)
-            + f" | {1e6 * sum(hot.values()):.0f} / {1e6 * sum(cold.values()):.0f} |")
+            + f" | {1e6 * c['hot_total']:.0f} / {1e6 * c['streamed_total']:.0f} |")
 
     head = ("| decodes | outputs | mode | wall ms/step | " + " | ".join(f"{p} ms" for p in PHASES)
             + " | wait ms | host ms (wall - wait) | host thread CPU ms | hidden (range over block pairs) |")

@@ -178,8 +178,15 @@ def host_overhead(d: dict, n: Numbers) -> str:
              + (f"({n(r['sync_cpu_ms'], '.2f')} ms thread CPU), " if "sync_cpu_ms" in r else ", ")
              + f"{n(r['hidden'], '.0%')} hidden" for r in d["rows"]]
     clocks = "wall clock and the engine thread's CPU time" if "sync_cpu_ms" in d["rows"][0] else "wall clock"
+    cache = ""
+    if "cache_effect" in d:
+        c = d["cache_effect"]["final"]
+        cache = (f"; at {n(c['concurrency'], 'd')} decodes (final outputs) schedule + prepare + apply without "
+                 f"device steps: {n(c['hot_total'], '.0f', 1e6)} us of CPU hot, "
+                 f"{n(c['streamed_total'], '.0f', 1e6)} us with a step's KV bytes "
+                 f"({n(c['kv_bytes'], '.0f', 2**-20)} MiB) streamed through the caches between them")
     return (f"host time per decode step of a tiny model (synchronous, {clocks}), and the share asynchronous "
-            "scheduling hides: " + "; ".join(parts))
+            "scheduling hides: " + "; ".join(parts) + cache)
 
 
 def batching(d: dict, n: Numbers) -> str:

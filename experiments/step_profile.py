@@ -106,7 +106,6 @@ def main() -> None:
 
     import jax
 
-    from llmjax import runner as runner_mod
     from llmjax.attention.backend import AttentionBackend
     from llmjax.config import EngineConfig
     from llmjax.engine import LLMEngine
@@ -119,9 +118,7 @@ def main() -> None:
         runner = engine.runner
 
         def step_fn(backend, runner=runner):
-            fn, _ = runner_mod._make_step_function(runner.graphdef, backend, config.block_size, runner.layout,
-                                                   config.max_num_seqs)
-            return fn
+            return runner.step_function(backend)[0]
 
         variants[f"engine {dtype}"] = (runner, None)
         if args.baseline_ref:
@@ -145,11 +142,12 @@ def main() -> None:
 
         def run(variant):
             owner, fn = variant
-            if fn is None:  # the engine's own step
+            own = owner._step_fn
+            owner._step_fn = fn or own  # None: the engine's own step
+            try:
                 out = owner.run(step, sampling, decode_only)
-            else:
-                *out, owner.cache, owner.penalties = fn(owner.params, owner.cache, owner.penalties,
-                                                        owner._no_tokens, step, sampling, decode_only, 0)
+            finally:
+                owner._step_fn = own
             jax.block_until_ready(out)
 
         compile_s = {}

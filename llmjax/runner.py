@@ -216,6 +216,12 @@ class ModelRunner:
                                                        self.block_size, self.layout, config.max_num_seqs)
         self._step_fn, self._traces = _STEP_FUNCTIONS[key]
 
+    def step_function(self, backend) -> tuple:
+        """(jitted step, its trace counter) for this runner's model around another attention
+        `backend`, not shared: tests and profiles swap it in as `_step_fn`, `_traces`."""
+        return _make_step_function(self.graphdef, jax.tree.structure(self.params), backend, self.block_size,
+                                   self.layout, self.config.max_num_seqs)
+
     def _replicated(self, x):
         return jax.device_put(x, None if self.layout is None else self.layout.replicated)
 

@@ -32,7 +32,6 @@ def test_fresh_prefill_steps_run_through_the_flash_kernel():
     import jax.numpy as jnp
 
     from llmjax.attention.backend import PrefillAttention
-    from llmjax.runner import _make_step_function
 
     def engine(zero_prefill: bool):
         e = tiny_engine("tiny-gqa", attention_backend="pallas-interpret", block_size=16, max_num_batched_tokens=32)
@@ -40,8 +39,7 @@ def test_fresh_prefill_steps_run_through_the_flash_kernel():
             runner, real = e.runner, e.runner.backend
             zeros = PrefillAttention(real.prefill.plan, lambda q, k, v, plan, *, sm_scale: jnp.zeros_like(q))
             backend = dataclasses.replace(real, name="pallas-interpret, prefill zeroed", prefill=zeros)
-            runner._step_fn, runner._traces = _make_step_function(runner.graphdef, backend, runner.block_size, None,
-                                                                  e.config.max_num_seqs)
+            runner._step_fn, runner._traces = runner.step_function(backend)
         return e
 
     xla = run_to_completion(tiny_engine("tiny-gqa", block_size=16, max_num_batched_tokens=32), PROMPTS, PARAMS)
