@@ -133,7 +133,8 @@ class Scheduler:
         self._stop_ids = np.zeros(config.max_num_seqs, bool)
         self._eos = np.array(sorted(eos_token_ids), np.int64)
         self._running_version = 0  # bumped whenever a request joins or leaves `running`
-        self._last_decodes: tuple[SchedulerOutput, int, list] | None = None  # see `_schedule_decodes`
+        self._last_decodes: tuple[SchedulerOutput, list] | None = None  # (step, keys): see `_schedule_decodes`
+        self._left: list[int] = []  # indices in that step of the requests that left `running` since
         if build_step_inputs:  # per batch row: its block table, kept between steps, and its last token
             rows, max_blocks = config.max_num_seqs, self.buckets.max_blocks
             self._tables = np.zeros((rows, max_blocks), np.int32)  # padded with the null block
@@ -155,6 +156,10 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
             self._running_version += 1
+            if self._last_decodes is not None:
+                last, i = self._last_decodes[0], request.inflight_index
+                if 0 <= i < len(last.requests) and last.requests[i] is request:
+                    self._left.append(i)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.batch.discard(request.key)
@@ -197,39 +202,46 @@ class Scheduler:
         requests' state: the output `schedule`'s general path would build (the tests run both).
 
         Taken when the last step was decode-only and every request in it sampled, no request has
-        joined or left `running` since (so each needs exactly one token again, in the same order),
-        the token budget covers them, nothing could be admitted, none reaches its length limit with
-        its token still on the device, and the KV pool holds every block they need now (all or
-        nothing, in the general path's order). Otherwise None, with nothing changed."""
+        joined `running` since and the ones that left it are dropped from its arrays (so every
+        running request needs exactly one token again, in the same order), the token budget covers
+        them, nothing could be admitted, none reaches its length limit with its token still on the
+        device, and the KV pool holds every block they need now (all or nothing, in the general
+        path's order). Otherwise None, with nothing changed."""
         if self._last_decodes is None:
             return None
-        last, version, keys = self._last_decodes
-        n, config = len(last.requests), self.config
-        if version != self._running_version or config.max_num_batched_tokens < n:
+        last, keys = self._last_decodes
+        requests, before = last.requests, np.arange(len(last.requests), dtype=np.int32)  # index in `last`
+        if self._left:
+            keep = np.ones(len(requests), bool)
+            keep[self._left] = False
+            before = before[keep]
+            requests, keys = [requests[i] for i in before.tolist()], [keys[i] for i in before.tolist()]
+        n, config = len(requests), self.config
+        if n == 0 or n != len(self.running) or config.max_num_batched_tokens < n:
             return None
         if self.waiting and config.max_num_batched_tokens > n and n < config.max_num_seqs:
             return None  # a waiting request may be admitted
-        output_index = last.output_index + 1
-        if (output_index >= last.max_output).any():
+        pick = (lambda x: x[before]) if self._left else (lambda x: x)  # noqa: E731
+        output_index, max_output = pick(last.output_index) + 1, pick(last.max_output)
+        if (output_index >= max_output).any():
             return None  # the general path skips it (done when its pending token arrives)
-        start = last.num_computed + 1
+        start = pick(last.num_computed) + 1
         if not self.kv.grow_each(keys, (start + 1).tolist()):
             return None  # the general path preempts
-        requests = last.requests
         pending = []
         for i, request in enumerate(requests):
             pending.append(request.num_pending)
             request.num_computed_tokens += 1
             request.num_pending += 1
             request.inflight_index = i
-        out = SchedulerOutput(requests, num_new_tokens=last.num_new_tokens, num_computed=start, rows=last.rows,
-                              samples=last.samples, output_index=output_index, max_output=last.max_output,
-                              stop_ids=last.stop_ids, num_decodes=n, num_tokens=n)
+        out = SchedulerOutput(requests, num_new_tokens=pick(last.num_new_tokens), num_computed=start,
+                              rows=pick(last.rows), samples=pick(last.samples), output_index=output_index,
+                              max_output=max_output, stop_ids=pick(last.stop_ids), num_decodes=n, num_tokens=n)
         out.bucket = self.buckets.shape(n, n, -(-(int(start.max()) + 1) // config.block_size))
-        if self.build_step_inputs:
-            self._step_inputs(out, np.array(pending) > 0, np.arange(n, dtype=np.int32))
-        out.running_version = version
-        self._last_decodes = (out, version, keys)
+        if self.build_step_inputs:  # a token still on the device is at its index in the last step
+            self._step_inputs(out, np.array(pending) > 0, before)
+        out.running_version = self._running_version
+        self._last_decodes, self._left = (out, keys), []
         return out
 
     def _done_when_pending_arrive(self, request: Request) -> bool:
@@ -263,6 +275,7 @@ class Scheduler:
             self._requeue(request)
         self.running.clear()
         self._running_version += 1
+        self._last_decodes = None
 
     def _requeue(self, request: Request) -> None:
         request.num_computed_tokens = 0
@@ -367,7 +380,7 @@ class Scheduler:
                 request.inflight_index = i
         if out.decode_only and out.samples.all():
             out.running_version = self._running_version
-            self._last_decodes = (out, self._running_version, [r.key for r in out.requests])
+            self._last_decodes, self._left = (out, [r.key for r in out.requests]), []
 
     def _step_inputs(self, out: SchedulerOutput, pending: np.ndarray, inflight_index: np.ndarray) -> None:
         """The new tokens and the block tables, padded to the bucket's B. A decode's token is its row's

@@ -162,30 +162,35 @@ def test_a_step_scheduled_before_the_previous_ones_tokens_arrive():
     s.kv.check_invariants()
 
 
-def _drive(fast_path: bool, async_steps: bool, seed: int, num_blocks: int, monkeypatch) -> tuple[list, list, int]:
-    """A random workload (shared prefixes, EOS and stop ids, max_tokens, a pool small enough to
-    preempt, aborts) through a scheduler that builds step inputs; each sampled token is a function
-    of its request and position, so two runs see the same tokens. Returns every step's arrays,
-    every request's final state, and how many steps took the steady-decode path."""
-    fast_steps = [0]
+def _drive(fast_path: bool, async_steps: bool, seed: int, num_blocks: int, burst: bool,
+           monkeypatch) -> tuple[list, list, int, int]:
+    """A random workload (shared prefixes, EOS and stop ids, max_tokens, aborts; a pool small
+    enough to preempt, or not; arrivals spread out, or all at once into room for every request)
+    through a scheduler that builds step inputs; each sampled token is a function of its request
+    and position, so two runs see the same tokens. Returns every step's arrays, every request's
+    final state, how many steps took the steady-decode path, and how many of those dropped
+    requests that had left."""
+    fast_steps, with_leavers = [0], [0]
     general = Scheduler._schedule_decodes
 
     def counted(self):
+        left = bool(self._left)
         out = general(self) if fast_path else None
         fast_steps[0] += out is not None
+        with_leavers[0] += out is not None and left
         return out
 
     monkeypatch.setattr(Scheduler, "_schedule_decodes", counted)
     rng = np.random.default_rng(seed)
-    s = scheduler(num_blocks=num_blocks, build_step_inputs=True, eos_token_ids=frozenset({5}), max_num_seqs=4,
-                  max_num_batched_tokens=24, max_model_len=64)
+    s = scheduler(num_blocks=num_blocks, build_step_inputs=True, eos_token_ids=frozenset({5}),
+                  max_num_seqs=32 if burst else 4, max_num_batched_tokens=24, max_model_len=64)
     requests = []
     for i in range(24):
         prompt = ([3] * 8 if i % 3 == 0 else []) + list(range(100 + 20 * i, 100 + 20 * i + int(rng.integers(2, 12))))
         params = SamplingParams(max_tokens=int(rng.integers(2, 30)), ignore_eos=bool(i % 4 == 1),
                                 stop_token_ids=[6] if i % 5 == 2 else [], min_tokens=2 if i % 7 == 3 else 0)
         requests.append(Request(f"q{i}", prompt, params, seed=0))
-    arrivals = sorted(int(t) for t in rng.integers(0, 40, len(requests)))
+    arrivals = sorted(int(t) for t in rng.integers(0, 1 if burst else 40, len(requests)))
     steps, inflight, t = [], None, 0
     while t < 400 and (arrivals or s.has_unfinished() or inflight is not None):
         while arrivals and arrivals[0] <= t:
@@ -222,18 +227,20 @@ def _drive(fast_path: bool, async_steps: bool, seed: int, num_blocks: int, monke
         s.kv.check_invariants()
         t += 1
     final = [(r.request_id, r.status, r.output_token_ids, r.num_preemptions, r.stop_reason) for r in requests]
-    return steps, final, fast_steps[0]
+    return steps, final, fast_steps[0], with_leavers[0]
 
 
 @pytest.mark.parametrize("async_steps", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("num_blocks", [16, 64])  # a pool that preempts, one that never does
-def test_steady_decode_path_builds_the_general_paths_steps(async_steps, seed, num_blocks, monkeypatch):
+@pytest.mark.parametrize("num_blocks, burst", [(16, False), (64, False), (200, True)])  # preempting or not; a burst
+def test_steady_decode_path_builds_the_general_paths_steps(async_steps, seed, num_blocks, burst, monkeypatch):
     """`_schedule_decodes` (derived from the last step's arrays) against the general path alone, on
-    the same workload: the same steps, arrays and outcomes, and the fast path taken often."""
-    steps, final, fast = _drive(True, async_steps, seed, num_blocks, monkeypatch)
-    ref_steps, ref_final, ref_fast = _drive(False, async_steps, seed, num_blocks, monkeypatch)
-    assert ref_fast == 0 and fast >= (5 if num_blocks == 16 else len(steps) // 3), (fast, len(steps))
+    the same workload: the same steps, arrays and outcomes, and the fast path taken often (in a
+    burst, also right after requests left)."""
+    steps, final, fast, with_leavers = _drive(True, async_steps, seed, num_blocks, burst, monkeypatch)
+    ref_steps, ref_final, ref_fast, _ = _drive(False, async_steps, seed, num_blocks, burst, monkeypatch)
+    assert ref_fast == 0 and fast >= (5 if num_blocks == 16 else len(steps) // (5 if burst else 3)), (fast, len(steps))
+    assert with_leavers >= 3 or not burst, with_leavers
     assert steps == ref_steps
     assert final == ref_final
     statuses = {status for _, status, *_ in final}
