@@ -400,12 +400,17 @@ class Scheduler:
                                          zip(requests[d:], start[d:].tolist(), out.num_new_tokens[d:].tolist())])
         out.token_ids, out.token_source = tokens, source
         num_blocks = -(-(start + out.num_new_tokens) // self.config.block_size)
-        for i in np.flatnonzero((num_blocks != self._table_len[rows]) | self._table_stale[rows]).tolist():
-            table, row = self.kv.block_table(requests[i].key), rows[i]
-            self._tables[row, : len(table)] = table
-            self._tables[row, len(table) :] = 0
-            self._table_len[row], self._table_stale[row] = len(table), False
-        out.block_tables = self._tables[rows, : out.bucket[2]]
+        tables, table_len, stale = self._tables, self._table_len, self._table_stale
+        for i in np.flatnonzero((num_blocks != table_len[rows]) | stale[rows]).tolist():
+            table, row = self.kv.block_table(requests[i].key), int(rows[i])
+            written = int(table_len[row])
+            if len(table) == written + 1 and not stale[row]:  # a decode crossed into a new block
+                tables[row, written] = table[-1]
+            else:
+                tables[row, : len(table)] = table
+                tables[row, len(table) :] = 0
+            table_len[row], stale[row] = len(table), False
+        out.block_tables = tables[rows, : out.bucket[2]]
 
     def update_from_output(self, out: SchedulerOutput, sampled: np.ndarray) -> list[tuple[int, Request]]:
         """Apply a finished step: `sampled[i]` is the token of `out.requests[i]`.
