@@ -8,10 +8,11 @@ scheduler's arrays and its `RowInit`s.
 
 The step is a pure function of (parameters, cache, penalty tables, the previous step's sampled
 tokens, StepInput, SamplingInput); the last two travel packed in one int32 buffer
-(`llmjax.step_input.pack`: one host-to-device transfer a step); the cache and the tables are donated, so the KV write and the
-token counts happen in place and no step copies the cache. A new token still on the device (the
-scheduler's `token_source`) is read from the previous step's sampled tokens inside the step, so
-step N+1 can be dispatched before step N's tokens reach the host (asynchronous scheduling).
+(`llmjax.step_input.pack`: one host-to-device transfer a step). The cache and the tables are
+donated, so the KV write and the token counts happen in place and no step copies the cache. A
+new token still on the device (the scheduler's `token_source`) is read from the previous step's
+sampled tokens inside the step, so step N+1 can be dispatched before step N's tokens reach the
+host (asynchronous scheduling).
 Shapes are the scheduler's buckets (`llmjax.buckets`); `decode_only` and the logprob count are
 static. A counter in the traced body counts compilations: serving a workload twice compiles
 nothing the second time. A step's results come back in one device-to-host transfer.
@@ -101,10 +102,10 @@ def _make_step_function(graphdef, param_tree, backend, block_size: int, layout: 
     if layout is not None:
         backend = parallel.sharded_attention(backend, layout.mesh)
 
-    def step(params, cache, penalties: PenaltyState, prev_tokens, inputs, layout: PackLayout, decode_only: bool,
-             num_top_logprobs: int):
+    def step(params, cache, penalties: PenaltyState, prev_tokens, inputs, input_layout: PackLayout,
+             decode_only: bool, num_top_logprobs: int):
         traces[0] += 1  # runs only while tracing
-        step_input, sampling = unpack(inputs, layout)  # (StepInput, SamplingInput), packed on the host
+        step_input, sampling = unpack(inputs, input_layout)  # (StepInput, SamplingInput), packed on the host
         params = jax.tree.unflatten(param_tree, params)
         src = step_input.token_source
         tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, max_num_seqs - 1)], step_input.token_ids)

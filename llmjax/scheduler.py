@@ -447,7 +447,7 @@ class Scheduler:
         if appended:
             got = np.fromiter((i for i, _ in appended), np.int64, len(appended)) if len(appended) < d else slice(0, d)
             got_tokens = sampled[got]
-            if self.build_step_inputs:  # rows taken at schedule time: not reassigned while their owner is live
+            if self.build_step_inputs:  # the rows of schedule time: still theirs, or (preempted since) still free
                 self._last_token[out.rows[got]] = got_tokens
             may_stop = (out.output_index[got] + 1 >= out.max_output[got]) | out.stop_ids[got]
             for eos in self._eos:
