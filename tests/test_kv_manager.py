@@ -235,6 +235,7 @@ def test_grow_each_is_sequential_grows_all_or_nothing(seed):
         prompt = [i] * rng.randint(1, 9)
         m.allocate(i, prompt, 100)
         keys.append(i)
+    keys = tuple(keys)  # one object every call, as the scheduler's steady decodes pass it
     for _ in range(12):
         totals = [m.num_tokens(k) + rng.choice([0, 1, 1, 1, 4, 7]) for k in keys]
         reference = copy.deepcopy(m)
@@ -250,6 +251,23 @@ def test_grow_each_is_sequential_grows_all_or_nothing(seed):
         if not fits:
             return
     pytest.fail("the pool never ran out")
+
+
+def test_grow_each_reuses_its_lookup_only_while_no_request_comes_or_goes():
+    m = KVCacheManager(num_blocks=16, block_size=2)
+    m.allocate("a", [1, 2], 100)
+    m.allocate("b", [3], 100)
+    keys = ("a", "b")
+    assert m.grow_each(keys, [3, 2]) and m.grow_each(keys, [4, 3])
+    m.free("b")
+    before = snapshot(m)
+    with pytest.raises(KeyError):
+        m.grow_each(keys, [5, 4])  # b is gone: the earlier lookup is not used
+    assert snapshot(m) == before
+    m.allocate("b", [7, 8, 9], 100)  # another request under the same id
+    assert m.grow_each(keys, [5, 6])
+    assert (m.num_tokens("a"), m.num_tokens("b")) == (5, 6) and len(m.block_table("b")) == 3
+    m.check_invariants()
 
 
 def test_grow_each_validates_before_changing_anything():

@@ -36,10 +36,11 @@ class KVUsage:
     usage: float  # used / num_blocks
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class _Seq:
     block_table: list[int]
     num_tokens: int
+    capacity: int  # len(block_table) * block_size: the tokens its table holds room for
     node: Node | None  # deepest node of the locked tree path; None when nothing is locked
     cached_pages: int  # blocks of the locked path = the first blocks of block_table
     namespace: Hashable
@@ -58,6 +59,10 @@ class KVCacheManager:
         self.prefix_cache = RadixCache(self.block_pool, block_size) if enable_prefix_caching else None
         self._seqs: dict[Hashable, _Seq] = {}
         self._num_seq_tokens = 0  # sum of num_tokens over requests
+        # `grow_each`'s last lookup: (req_ids tuple, their `_Seq`s, `_seqs_version` then); a steady
+        # decode batch grows the same requests every step, and looking them up touches every dict entry
+        self._seqs_version = 0  # bumped whenever a request is added or removed
+        self._last_lookup: tuple[tuple, list[_Seq], int] = ((), [], -1)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """ceil(num_tokens / block_size)."""
@@ -101,7 +106,8 @@ class KVCacheManager:
             cache.lock(node)
         pool.incref(match.blocks)
         table = [*match.blocks, *self._take(need)]
-        self._seqs[req_id] = _Seq(table, num_tokens, node, len(match.blocks), namespace)
+        self._seqs[req_id] = _Seq(table, num_tokens, len(table) * self.block_size, node, len(match.blocks), namespace)
+        self._seqs_version += 1
         self._num_seq_tokens += num_tokens
         if cache and count_query:
             cache.record_query(len(token_ids), num_cached)
@@ -114,7 +120,7 @@ class KVCacheManager:
         needs more blocks than the pool has in all."""
         seq = self._seqs.get(req_id) or self._seq(req_id)  # the latter raises the KeyError
         held = seq.num_tokens
-        if held <= num_tokens <= len(seq.block_table) * self.block_size:  # within its last block
+        if held <= num_tokens <= seq.capacity:  # within its last block
             seq.num_tokens = num_tokens
             self._num_seq_tokens += num_tokens - held
             return True
@@ -124,29 +130,34 @@ class KVCacheManager:
         """`grow` request `req_ids[i]` to `num_tokens[i]` tokens for every i, all or nothing: False
         (nothing changed) when the pool cannot hold the blocks they need together. New blocks are
         taken in the order of `req_ids`, as that many `grow` calls would. Errors as `grow`, checked
-        before anything changes."""
-        seqs, block_size = self._seqs, self.block_size
-        held = []  # their `_Seq`s
-        short = []  # (seq, tokens) of the requests that cross into a new block
-        try:
-            for req_id, n in zip(req_ids, num_tokens):
-                seq = seqs[req_id]
-                held.append(seq)
-                if not seq.num_tokens <= n <= len(seq.block_table) * block_size:
-                    if n < seq.num_tokens:
-                        raise ValueError(f"request {req_id!r} holds {seq.num_tokens} tokens; cannot shrink to {n}")
-                    self._check_fits(n)
-                    short.append((seq, n))
-        except KeyError:
-            self._seq(req_id)  # raises the KeyError with its message
+        before anything changes. A tuple `req_ids` that is the same object as in the last call,
+        with no request added or removed since, reuses that call's lookup."""
+        last_ids, last_held, version = self._last_lookup
+        if req_ids is last_ids and version == self._seqs_version:
+            held = last_held
+        else:
+            seqs = self._seqs
+            try:
+                held = [seqs[req_id] for req_id in req_ids]  # their `_Seq`s
+            except KeyError as err:
+                self._seq(err.args[0])  # raises the KeyError with its message
+            if isinstance(req_ids, tuple):
+                self._last_lookup = (req_ids, held, self._seqs_version)
+        # the requests that cross into a new block (or ask for fewer tokens than they hold: an error)
+        short = [(seq, n) for seq, n in zip(held, num_tokens) if not seq.num_tokens <= n <= seq.capacity]
+        for seq, n in short:
+            if n < seq.num_tokens:
+                req_id = next(r for r, s in zip(req_ids, held) if s is seq)
+                raise ValueError(f"request {req_id!r} holds {seq.num_tokens} tokens; cannot shrink to {n}")
+            self._check_fits(n)
         need = sum(self.num_blocks_for(n) - len(seq.block_table) for seq, n in short)
         if need > self.block_pool.num_free + self.block_pool.num_evictable:
             return False
         for seq, n in short:
             seq.block_table += self._take(self.num_blocks_for(n) - len(seq.block_table))
-        before = 0
+            seq.capacity = len(seq.block_table) * self.block_size
+        before = sum([seq.num_tokens for seq in held])
         for seq, n in zip(held, num_tokens):
-            before += seq.num_tokens
             seq.num_tokens = n
         self._num_seq_tokens += sum(num_tokens) - before
         return True
@@ -188,6 +199,7 @@ class KVCacheManager:
         if token_ids is not None:
             self.cache_blocks(req_id, token_ids)
         del self._seqs[req_id]
+        self._seqs_version += 1
         if seq.node is not None:
             self.prefix_cache.unlock(seq.node)
         self.block_pool.decref(seq.block_table[::-1])
@@ -243,6 +255,7 @@ class KVCacheManager:
             assert pool.ref_count(b) == holders[b], f"block {b}: ref count {pool.ref_count(b)}, {holders[b]} tables hold it"
         for req_id, seq in self._seqs.items():
             assert len(seq.block_table) == self.num_blocks_for(seq.num_tokens), f"{req_id!r}: table does not fit its tokens"
+            assert seq.capacity == len(seq.block_table) * self.block_size, f"{req_id!r}: capacity drifted"
             if self.prefix_cache:
                 path = self.prefix_cache.path_blocks(seq.node)
                 assert path == seq.block_table[: seq.cached_pages] and len(path) == seq.cached_pages, (
