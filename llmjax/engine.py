@@ -73,13 +73,33 @@ class RequestError(ValueError):
 
 @dataclass(slots=True)
 class _SequenceState:
-    """Per sample: its text not yet returned (held back while it may start a stop string) and how
-    many of its tokens (and logprob entries) were returned."""
+    """Per sample: its text not yet returned (held back while it may start a stop string), how
+    many of its output tokens the detokenizer has seen, and how many tokens (and logprob entries)
+    were returned.
+
+    Text is made when it is needed: every step for a request that streams (DELTA) or has stop
+    strings, otherwise (FINAL_ONLY without stop strings: the offline API, non-streamed responses)
+    once, when the request finishes, so a decode step does not touch its detokenizer."""
 
     detokenizer: IncrementalDetokenizer
     unreturned: str = ""
+    detokenized: int = 0
     returned_tokens: int = 0
     cumulative_logprob: float = 0.0
+
+    def detokenize(self, output_ids: list[int]) -> int:
+        """Feed the output tokens the detokenizer has not seen; their text joins `unreturned`.
+        Returns its length. Should the detokenizer raise, those tokens count as seen (the caller
+        fails the request; its output keeps the text made before)."""
+        seen, n = self.detokenized, len(output_ids)
+        self.detokenized = n
+        if n == seen + 1:  # the usual case: this step's token
+            text = self.detokenizer.add(output_ids[-1])
+        else:
+            text = "".join(map(self.detokenizer.add, output_ids[seen:]))
+        if text:
+            self.unreturned += text
+        return len(text)
 
 
 @dataclass(eq=False, slots=True)
@@ -274,14 +294,15 @@ class LLMEngine:
         """Apply a step's results (the scheduler's update, then text, stop strings and outputs); its
         delta outputs. `step()` calls it once the device has returned them."""
         t1 = time.perf_counter()
-        appended = self.scheduler.update_from_output(out, result.token_ids)
+        indices, appended = self.scheduler.update_from_output(out, result.token_ids)
         t2 = time.perf_counter()
         self.time_update += t2 - t1
         now = time.monotonic()
         parents = self._parents
         outputs: list[RequestOutput] = []
         grouped: dict[_Parent, list[Request]] = {}  # parents with n > 1: their samples that changed, in order
-        for i, request in appended:
+        self.num_generation_tokens += len(appended)
+        for i, request in zip(indices, appended):
             parent = parents.get(request.parent_id)
             if parent is None:  # its request failed earlier in this step
                 continue
@@ -289,6 +310,8 @@ class LLMEngine:
                 self._after_token(request, parent, result, i, now)
             except Exception as exc:  # e.g. the detokenizer on this request's token: fail it alone
                 log.exception("request %s failed", parent.request_id)
+                if request.status.finished:  # the token that failed also ended it: it failed all the same
+                    request.status = RequestStatus.FINISHED_ERROR
                 outputs.append(self._end(parent, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}",
                                          grouped.pop(parent, ())))
                 continue
@@ -311,7 +334,8 @@ class LLMEngine:
 
     def _after_token(self, request: Request, parent: _Parent, result, i: int, now: float) -> None:
         """The engine's part of a new token (the scheduler appended it and checked EOS, stop ids and
-        lengths): logprobs, text and stop strings, counts; releases held siblings after the first token."""
+        lengths): logprobs, text and stop strings (see `_SequenceState` for when text is made),
+        counts; releases held siblings after the first token."""
         output_ids = request.output_token_ids
         token = output_ids[-1]
         metrics = parent.metrics
@@ -322,22 +346,23 @@ class LLMEngine:
         elif times[-1] != now:
             times.append(now)
         metrics.num_generation_tokens += 1
-        self.num_generation_tokens += 1
         if len(output_ids) == 1 and request.sample_index == 0:
             self.num_prompt_tokens += len(request.prompt_token_ids)  # counted once prefilled, as vLLM does
-        state = parent.texts[request.sample_index]
         params = request.sampling_params
         if params.logprobs is not None:
+            state = parent.texts[request.sample_index]
             entry = {token: float(result.logprobs[i])}
             entry.update(zip(result.top_ids[i, :params.logprobs].tolist(),
                              result.top_logprobs[i, :params.logprobs].tolist()))
             request.output_logprobs.append(entry)
             state.cumulative_logprob += float(result.logprobs[i])
-        text = state.detokenizer.add(token)
-        if text:
-            state.unreturned += text
-            if params.stop and request.status is not RequestStatus.FINISHED_STOPPED:
-                self._check_stop_strings(request, state, len(text))
+        if params.stop:
+            state = parent.texts[request.sample_index]
+            new_chars = state.detokenize(output_ids)
+            if new_chars and request.status is not RequestStatus.FINISHED_STOPPED:
+                self._check_stop_strings(request, state, new_chars)
+        elif params.output_kind is DELTA or request.status.finished:
+            parent.texts[request.sample_index].detokenize(output_ids)
         if parent.held:  # the prompt is computed and its full pages cached
             for sibling in parent.held:
                 self.scheduler.add(sibling)
@@ -405,6 +430,12 @@ class LLMEngine:
     def _completion_delta(request: Request, state: _SequenceState) -> CompletionOutput:
         """What `request` added since its last output (text held back while it may start a stop string)."""
         params = request.sampling_params
+        output_ids = request.output_token_ids
+        if state.detokenized < len(output_ids):  # ended (aborted, failed) before its text was made
+            try:
+                state.detokenize(output_ids)
+            except Exception:
+                log.exception("request %s: its text could not be made", request.request_id)
         finish_reason = request.finish_reason
         text = state.unreturned
         if text and params.stop and finish_reason is None:
@@ -412,7 +443,6 @@ class LLMEngine:
             text, state.unreturned = text[:cut], text[cut:]
         else:
             state.unreturned = ""
-        output_ids = request.output_token_ids
         start = state.returned_tokens
         state.returned_tokens = len(output_ids)
         if params.logprobs is None:

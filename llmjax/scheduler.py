@@ -40,7 +40,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -133,7 +133,9 @@ class Scheduler:
         self._stop_ids = np.zeros(config.max_num_seqs, bool)
         self._eos = np.array(sorted(eos_token_ids), np.int64)
         self._running_version = 0  # bumped whenever a request joins or leaves `running`
-        self._last_decodes: tuple[SchedulerOutput, list] | None = None  # (step, keys): see `_schedule_decodes`
+        # (step, its requests' keys: a tuple, the same object while nobody leaves, so the KV manager's
+        # `grow_each` reuses its lookup): see `_schedule_decodes`
+        self._last_decodes: tuple[SchedulerOutput, tuple] | None = None
         self._left: list[int] = []  # indices in that step of the requests that left `running` since
         if build_step_inputs:  # per batch row: its block table, kept between steps, and its last token
             rows, max_blocks = config.max_num_seqs, self.buckets.max_blocks
@@ -215,7 +217,7 @@ class Scheduler:
             keep = np.ones(len(requests), bool)
             keep[self._left] = False
             before = before[keep]
-            requests, keys = [requests[i] for i in before.tolist()], [keys[i] for i in before.tolist()]
+            requests, keys = [requests[i] for i in before.tolist()], tuple([keys[i] for i in before.tolist()])
         n, config = len(requests), self.config
         if n == 0 or n != len(self.running) or config.max_num_batched_tokens < n:
             return None
@@ -229,11 +231,13 @@ class Scheduler:
         if not self.kv.grow_each(keys, (start + 1).tolist()):
             return None  # the general path preempts
         pending = []
-        for i, request in enumerate(requests):
+        for request in requests:
             pending.append(request.num_pending)
             request.num_computed_tokens += 1
             request.num_pending += 1
-            request.inflight_index = i
+        if self._left:  # the others moved up; without departures each is already at its index
+            for i, request in enumerate(requests):
+                request.inflight_index = i
         out = SchedulerOutput(requests, num_new_tokens=pick(last.num_new_tokens), num_computed=start,
                               rows=pick(last.rows), samples=pick(last.samples), output_index=output_index,
                               max_output=max_output, stop_ids=pick(last.stop_ids), num_decodes=n, num_tokens=n)
@@ -380,7 +384,7 @@ class Scheduler:
                 request.inflight_index = i
         if out.decode_only and out.samples.all():
             out.running_version = self._running_version
-            self._last_decodes, self._left = (out, [r.key for r in out.requests]), []
+            self._last_decodes, self._left = (out, tuple([r.key for r in out.requests])), []
 
     def _step_inputs(self, out: SchedulerOutput, pending: np.ndarray, inflight_index: np.ndarray) -> None:
         """The new tokens and the block tables, padded to the bucket's B. A decode's token is its row's
@@ -412,15 +416,16 @@ class Scheduler:
             table_len[row], stale[row] = len(table), False
         out.block_tables = tables[rows, : out.bucket[2]]
 
-    def update_from_output(self, out: SchedulerOutput, sampled: np.ndarray) -> list[tuple[int, Request]]:
+    def update_from_output(self, out: SchedulerOutput, sampled: np.ndarray) -> tuple[Sequence[int], list[Request]]:
         """Apply a finished step: `sampled[i]` is the token of `out.requests[i]`.
 
         Appends each kept token and checks EOS and stop ids (after `min_tokens`),
         `max_tokens` and `max_model_len`, finishing those requests (blocks freed); caches the full
         pages of prefill chunks (so a request's other samples, released after its first token, find
         its prompt). A request that finished meanwhile (an earlier step's stop, an abort) gets
-        nothing. Returns (index in the step, request) of every request that got a token, in step
-        order; the finished ones have a finished status.
+        nothing. Returns the requests that got a token, in step order, and their indices in the step
+        (`range(n)` when every one did; the pairs are never materialised, as a step's update is on
+        the engine's critical path); the finished ones have a finished status.
 
         Decodes first, vectorised: only the requests whose token or length may end them (an EOS
         id, stop ids, the length limit: `out.max_output`) are checked one by one. Then the prefill
@@ -433,9 +438,10 @@ class Scheduler:
             for request, token in zip(requests, tokens):
                 request.num_pending -= 1
                 request.output_token_ids.append(token)
-            appended = list(enumerate(requests))
+            indices: Sequence[int] = range(d)
+            appended = list(requests)
         else:
-            appended = []
+            indices, appended = [], []
             for i in np.flatnonzero(out.samples[:d]).tolist():
                 request = requests[i]
                 status = request.status
@@ -443,9 +449,10 @@ class Scheduler:
                     continue  # finished meanwhile
                 request.num_pending -= 1
                 request.output_token_ids.append(tokens[i])
-                appended.append((i, request))
+                indices.append(i)
+                appended.append(request)
         if appended:
-            got = np.fromiter((i for i, _ in appended), np.int64, len(appended)) if len(appended) < d else slice(0, d)
+            got = slice(0, d) if len(appended) == d else np.array(indices)
             got_tokens = sampled[got]
             if self.build_step_inputs:  # the rows of schedule time: still theirs, or (preempted since) still free
                 self._last_token[out.rows[got]] = got_tokens
@@ -453,9 +460,10 @@ class Scheduler:
             for eos in self._eos:
                 may_stop |= got_tokens == eos
             for j in np.flatnonzero(may_stop).tolist():
-                i, request = appended[j]
-                self._check_stops(request, tokens[i])
+                self._check_stops(appended[j], tokens[indices[j]])
         chunks = self.config.enable_prefix_caching
+        if d < len(requests) and isinstance(indices, range):
+            indices = list(indices)
         for i in range(d, len(requests)):
             request = requests[i]
             status = request.status
@@ -472,9 +480,10 @@ class Scheduler:
             request.output_token_ids.append(token)
             if self.build_step_inputs and request.row >= 0:  # a preempted request has no row
                 self._last_token[request.row] = token
-            appended.append((i, request))
+            indices.append(i)
+            appended.append(request)
             self._check_stops(request, token)
-        return appended
+        return indices, appended
 
     def _check_stops(self, request: Request, token: int) -> None:
         """Finish `request` if its new `token` ends it: EOS or a stop id (both only after

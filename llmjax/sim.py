@@ -187,13 +187,13 @@ def finish_step(sched: Scheduler, out: SchedulerOutput) -> list[Request]:
     """The scheduler's update of a simulated step: every sampled token is `DUMMY_TOKEN`, stamped with
     the clock (`Request.token_times`, `first_token_time`). Returns the requests the step finished
     (each at its `max_tokens`, the trace's output length)."""
-    appended = sched.update_from_output(out, np.full(len(out.requests), DUMMY_TOKEN, np.int32))
+    _, appended = sched.update_from_output(out, np.full(len(out.requests), DUMMY_TOKEN, np.int32))
     now = sched.clock()
-    for _, r in appended:
+    for r in appended:
         r.token_times.append(now)
         if r.first_token_time is None:
             r.first_token_time = now
-    return [r for _, r in appended if r.status.finished]
+    return [r for r in appended if r.status.finished]
 
 
 def _request(t: TraceRequest) -> Request:

@@ -124,10 +124,11 @@ def _final_only_outputs(engine, prompts, params, abort_after: int | None = None)
 
 
 @pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),  # text made once, when it finishes
     SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
     SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=9, ignore_eos=True),
     SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=["a", "e", "x"]),
-], ids=["logprobs", "n-3", "stop"])
+], ids=["plain", "logprobs", "n-3", "stop"])
 def test_final_only_returns_one_output_equal_to_the_accumulated_deltas(params):
     prompts = PROMPTS[:4]
     expected = run_to_completion(tiny_engine(), prompts, params)

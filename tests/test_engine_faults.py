@@ -2,12 +2,14 @@
 request's token fails only the requests concerned; afterwards the engine serves the next request
 correctly, the KV invariants hold and no block leaks."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 from llmjax.engine import RequestError
-from llmjax.sampling_params import SamplingParams
+from llmjax.sampling_params import RequestOutputKind, SamplingParams
 from tests.engine_helpers import GREEDY, dense_greedy, drain, run_to_completion, tiny_engine
 
 RNG = np.random.default_rng(99)
@@ -98,13 +100,17 @@ def test_a_tokenizer_that_raises_on_one_prompt_fails_that_request_alone(engine, 
     assert_healthy(engine, expected)
 
 
-def test_a_detokenizer_that_raises_on_one_token_fails_that_request_alone(engine, expected, monkeypatch):
-    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+@pytest.mark.parametrize("output_kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
+def test_a_detokenizer_that_raises_on_one_token_fails_that_request_alone(engine, expected, monkeypatch, output_kind):
+    """Streamed: the text is made every step; FINAL_ONLY: once, when the request finishes."""
+    params = dataclasses.replace(GREEDY, output_kind=output_kind)
+    ids = [engine.add_request(p, params) for p in PROMPTS]
     victim = engine._parents[ids[1]].texts[0].detokenizer
     fail_once(monkeypatch, victim, "add")
     outputs = drain(engine, ids)
     assert outputs[1].error and outputs[1].outputs[0].finish_reason == "error"
     assert [outputs[i].outputs[0].token_ids for i in (0, 2)] == [expected[0], expected[2]]
+    assert [outputs[i].outputs[0].text for i in (0, 2)] == [engine.tokenizer.decode(expected[i]) for i in (0, 2)]
     assert_healthy(engine, expected)
 
 
