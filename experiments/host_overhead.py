@@ -19,13 +19,15 @@ device sat idle through the host's phases (its threads asleep, its data out of c
 synchronous wait counts that restart. On this CPU the "device" is XLA's threads on the same 2 cores as the Python
 thread, so overlap is limited by the cores as well as by the pipeline. For the same reason a phase's
 wall time can include stretches where XLA's threads had the Python thread's core: `cpu` is the
-engine thread's own CPU time per step (`time.thread_time`), the host work itself. Each engine
+engine thread's own CPU time per step (`time.thread_time`), the host work itself, and `runtime_cpu`
+the part of it inside the runner's jitted call and its fetch (JAX's runtime). Each engine
 freezes the GC heap once warmed up, as the server does (`llmjax.engine.freeze_gc_heap`).
 
 A host whose device has its own memory would spend less still: this CPU's device step streams the
 KV cache through the caches the host's Python objects live in. The last table runs the host phases
 at 256 decodes without device steps, back to back (`hot`) and with a step's KV bytes streamed
-through the caches between them (`streamed`), to show that effect apart.
+through the caches between them (`streamed`), to show that effect apart; and it times the jitted
+call issued right after a device step against the same call issued back to back.
 
     python experiments/host_overhead.py [--concurrency 64,256,1024] [--steps 10] [--blocks 10] [--quick]
 """
@@ -88,21 +90,43 @@ def decoding_engine(n: int, async_scheduling: bool, output_kind: str):
     return engine
 
 
+def time_runtime_calls(engine) -> list[float]:
+    """Wrap the runner's jitted call (`run`, which also packs its inputs) and its `fetch` so that the
+    engine thread's CPU time inside them adds up in the returned one-element list: the part of the
+    host's CPU time that JAX's runtime spends, as against the engine's own Python."""
+    spent = [0.0]
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.thread_time() - t0
+        return call
+
+    engine.runner.run, engine.runner.fetch = timed(engine.runner.run), timed(engine.runner.fetch)
+    return spent
+
+
 def measure(n: int, output_kind: str, blocks: int, steps: int) -> dict:
     """Seconds per steady decode step (wall and each phase) of a synchronous and an asynchronous
     engine, timed in alternating blocks of `steps` steps (so both see the same machine); each field
-    is its median over the blocks; `hidden_pairs`: the hidden share of each pair of blocks."""
+    is its median over the blocks; `hidden_pairs`: the hidden share of each pair of blocks. `cpu`:
+    the engine thread's CPU time, `runtime_cpu` the part of it inside the jitted call and the fetch."""
     engines = {mode: decoding_engine(n, mode == "async", output_kind) for mode in ("sync", "async")}
+    runtime = {mode: time_runtime_calls(engine) for mode, engine in engines.items()}
     samples: dict[str, list[dict]] = {"sync": [], "async": []}
     for block in range(blocks):
         for mode in ("sync", "async") if block % 2 == 0 else ("async", "sync"):
             engine = engines[mode]
-            before, t0, c0 = counters(engine), time.perf_counter(), time.thread_time()
+            before, t0, c0, r0 = counters(engine), time.perf_counter(), time.thread_time(), runtime[mode][0]
             for _ in range(steps):
                 engine.step()
             wall, cpu = (time.perf_counter() - t0) / steps, (time.thread_time() - c0) / steps
             after = counters(engine)
-            samples[mode].append({"wall": wall, "cpu": cpu, **{k: (after[k] - before[k]) / steps for k in after}})
+            samples[mode].append({"wall": wall, "cpu": cpu, "runtime_cpu": (runtime[mode][0] - r0) / steps,
+                                  **{k: (after[k] - before[k]) / steps for k in after}})
     for engine in engines.values():
         assert len(engine.scheduler.running) == n, "every request must still be decoding"
     pairs = [(s["wall"] - a["wall"]) / (s["wall"] - s["wait"]) for s, a in zip(samples["sync"], samples["async"])]
@@ -120,8 +144,11 @@ def cache_effect(n: int, output_kind: str, steps: int, context: int) -> dict:
     back to back (their data stays in the CPU's caches, as on a host whose device has its own
     memory), and with the KV cache bytes of a step over `context` tokens a request streamed through
     the caches where the device step would run (as this CPU's device step does). The device's part
-    is replaced by the previous step's tokens; the engine is thrown away afterwards. Returns
-    {"hot": {phase: s}, "streamed": {phase: s}, "kv_bytes": bytes streamed per device step}."""
+    is replaced by the previous step's tokens; the engine is thrown away afterwards. Then the
+    jitted step itself: the engine thread's CPU time in the call issued right after the device
+    finished a step, and issued back to back (queued behind that call, its code and data in cache).
+    Returns {"hot": {phase: s}, "streamed": {phase: s}, "kv_bytes": bytes streamed per device step,
+    "call_after_step": s, "call_back_to_back": s}."""
     import jax
 
     from llmjax.runner import StepResult
@@ -151,8 +178,21 @@ def cache_effect(n: int, output_kind: str, steps: int, context: int) -> dict:
             for phase, dt in zip(CACHE_PHASES, (t1 - t0, t2 - t1, t4 - t3)):
                 spent[phase] += dt / steps
         times[label] = spent
+    step_args = engine.runner.prepare(engine.scheduler.schedule())
+    after_step, back_to_back = [], []
+    for _ in range(steps):  # the same inputs again: it rewrites the same KV slots
+        t0 = time.thread_time()
+        engine.runner.run(*step_args)
+        t1 = time.thread_time()
+        engine.runner.run(*step_args)
+        _, packed = engine.runner.run(*step_args)
+        t2 = time.thread_time()
+        packed.block_until_ready()
+        after_step.append(t1 - t0)
+        back_to_back.append((t2 - t1) / 2)
     return {**times, "hot_total": sum(times["hot"].values()), "streamed_total": sum(times["streamed"].values()),
-            "kv_bytes": kv_bytes, "concurrency": n}
+            "kv_bytes": kv_bytes, "concurrency": n, "call_after_step": statistics.median(after_step),
+            "call_back_to_back": statistics.median(back_to_back)}
 
 
 def in_fresh_process(fn, *args):
@@ -185,6 +225,7 @@ def main() -> None:
             s = row["sync"]
             row["sync_host_ms"] = 1e3 * (s["wall"] - s["wait"])
             row["sync_cpu_ms"] = 1e3 * s["cpu"]
+            row["sync_runtime_cpu_ms"] = 1e3 * s["runtime_cpu"]
             row["hidden"] = statistics.median(row["hidden_pairs"])
             rows.append(row)
             bar.update()
@@ -196,16 +237,19 @@ def main() -> None:
         bar.update()
     bar.close()
     cache_lines = ["| outputs | KV MiB streamed per step | " + " | ".join(
-        f"{p} us: hot / streamed" for p in CACHE_PHASES) + " | total us: hot / streamed |",
-        "|" + " --- |" * (len(CACHE_PHASES) + 3)]
+        f"{p} us: hot / streamed" for p in CACHE_PHASES) + " | total us: hot / streamed "
+        "| jitted call us: after a device step / back to back |",
+        "|" + " --- |" * (len(CACHE_PHASES) + 4)]
     for kind, c in caches.items():
         hot, cold = c["hot"], c["streamed"]
         cache_lines.append(f"| {kind} | {c['kv_bytes'] / 2**20:.0f} | " + " | ".join(
             f"{1e6 * hot[p]:.0f} / {1e6 * cold[p]:.0f}" for p in CACHE_PHASES)
-            + f" | {1e6 * c['hot_total']:.0f} / {1e6 * c['streamed_total']:.0f} |")
+            + f" | {1e6 * c['hot_total']:.0f} / {1e6 * c['streamed_total']:.0f} "
+            f"| {1e6 * c['call_after_step']:.0f} / {1e6 * c['call_back_to_back']:.0f} |")
 
     head = ("| decodes | outputs | mode | wall ms/step | " + " | ".join(f"{p} ms" for p in PHASES)
-            + " | wait ms | host ms (wall - wait) | host thread CPU ms | hidden (range over block pairs) |")
+            + " | wait ms | host ms (wall - wait) | host thread CPU ms | of it in the jitted call and fetch ms "
+            "| hidden (range over block pairs) |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for row in rows:
         for mode in ("sync", "async"):
@@ -215,7 +259,8 @@ def main() -> None:
                       if mode == "async" else "")
             lines.append(f"| {row['concurrency']} | {row['outputs']} | {mode} | {1e3 * r['wall']:.2f} | "
                          + " | ".join(f"{1e3 * r[p]:.3f}" for p in PHASES)
-                         + f" | {1e3 * r['wait']:.2f} | {1e3 * (r['wall'] - r['wait']):.2f} | {1e3 * r['cpu']:.2f} | {hidden} |")
+                         + f" | {1e3 * r['wait']:.2f} | {1e3 * (r['wall'] - r['wait']):.2f} | {1e3 * r['cpu']:.2f} "
+                         f"| {1e3 * r['runtime_cpu']:.2f} | {hidden} |")
     findings = []
     for r in rows:
         if r["concurrency"] != 256:
@@ -225,7 +270,9 @@ def main() -> None:
             f"the host (target <= {TARGET_HOST_MS:.1f} ms: "
             f"{'met' if r['sync_host_ms'] <= TARGET_HOST_MS else 'not met'}), of which the engine thread's own CPU "
             f"time is {r['sync_cpu_ms']:.2f} ms ({'met' if r['sync_cpu_ms'] <= TARGET_HOST_MS else 'not met'} on "
-            f"that measure; the rest is XLA's threads holding the shared cores), and asynchronous scheduling hides "
+            f"that measure; the rest is XLA's threads holding the shared cores; {r['sync_runtime_cpu_ms']:.2f} ms "
+            f"of it is inside the jitted call and the fetch, {r['sync_cpu_ms'] - r['sync_runtime_cpu_ms']:.2f} ms "
+            f"the engine's own Python), and asynchronous scheduling hides "
             f"{100 * r['hidden']:.0f}% of the wall-clock host time (target >= {100 * TARGET_HIDDEN:.0f}%: "
             f"{'met' if r['hidden'] >= TARGET_HIDDEN else 'not met'}).")
     body = "\n".join([
@@ -238,7 +285,8 @@ def main() -> None:
         "(synchronous: the host's phases run one after another with the device idle); hidden = (sync wall - "
         "async wall) / sync host, per pair of neighbouring blocks, median and range. Host thread CPU: the engine "
         "thread's own CPU time per step (`time.thread_time`; the wall-clock phases also count time in which "
-        "XLA's threads held the two shared cores).", "",
+        "XLA's threads held the two shared cores), and the part of it spent inside the runner's jitted call "
+        "(packing its inputs included) and its fetch: JAX's runtime, as against the engine's own Python.", "",
         *lines, "", *findings, "",
         "## What the device step does to the host's phases", "",
         "At 256 decodes, the engine thread's CPU time per step for schedule, prepare (input building) and apply (the "
@@ -247,7 +295,10 @@ def main() -> None:
         "streamed through the caches where the device step runs (`streamed`: what this CPU's device step does to "
         "the host's data; the KV bytes of a step at the mean context of the timed steps above). The device's "
         "tokens are replaced by the previous step's; dispatch and fetch are not in it. The device step also reads "
-        "the weights and writes activations, so the engine's own phases above can run slower still.", "",
+        "the weights and writes activations, so the engine's own phases above can run slower still. Last column: "
+        "the engine thread's CPU time in the step's jitted call issued right after the device finished a step "
+        "(as the engine issues it) and issued back to back, queued behind that call (its code and data in "
+        "cache).", "",
         *cache_lines, "", "![host time per step](host_overhead.png)",
     ])
     out = results_dir(args.quick)
