@@ -313,7 +313,7 @@ class LLMEngine:
                 if request.status.finished:  # the token that failed also ended it: it failed all the same
                     request.status = RequestStatus.FINISHED_ERROR
                 outputs.append(self._end(parent, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}",
-                                         grouped.pop(parent, ())))
+                                         [*grouped.pop(parent, ()), request]))
                 continue
             if len(parent.children) > 1:
                 if parent in grouped:
@@ -453,8 +453,9 @@ class LLMEngine:
 
     def _output(self, parent: _Parent, children: Sequence[Request]) -> RequestOutput:
         """The delta output of `parent` for its samples `children`; forgets a finished parent."""
-        texts = parent.texts
-        completions = [self._completion_delta(c, texts[c.sample_index]) for c in children]
+        texts, completions = parent.texts, []
+        for c in children:  # usually one: a loop, not a comprehension's extra frame
+            completions.append(self._completion_delta(c, texts[c.sample_index]))
         kids = parent.children
         first = kids[0]
         finished = first.status.finished if len(kids) == 1 else all(c.status.finished for c in kids)

@@ -101,12 +101,22 @@ def test_a_tokenizer_that_raises_on_one_prompt_fails_that_request_alone(engine, 
 
 
 @pytest.mark.parametrize("output_kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
-def test_a_detokenizer_that_raises_on_one_token_fails_that_request_alone(engine, expected, monkeypatch, output_kind):
+@pytest.mark.parametrize("failing_token", [1, GREEDY.max_tokens])  # the last one also ends the request
+def test_a_detokenizer_that_raises_on_one_token_fails_that_request_alone(engine, expected, monkeypatch, output_kind,
+                                                                        failing_token):
     """Streamed: the text is made every step; FINAL_ONLY: once, when the request finishes."""
     params = dataclasses.replace(GREEDY, output_kind=output_kind)
     ids = [engine.add_request(p, params) for p in PROMPTS]
     victim = engine._parents[ids[1]].texts[0].detokenizer
-    fail_once(monkeypatch, victim, "add")
+    original, calls = victim.add, []
+
+    def add(token):
+        calls.append(token)
+        if len(calls) == failing_token:
+            raise RuntimeError("injected failure")
+        return original(token)
+
+    monkeypatch.setattr(victim, "add", add)
     outputs = drain(engine, ids)
     assert outputs[1].error and outputs[1].outputs[0].finish_reason == "error"
     assert [outputs[i].outputs[0].token_ids for i in (0, 2)] == [expected[0], expected[2]]
