@@ -29,7 +29,7 @@ at 256 decodes without device steps, back to back (`hot`) and with a step's KV b
 through the caches between them (`streamed`), to show that effect apart; and it times the jitted
 call issued right after a device step against the same call issued back to back.
 
-    python experiments/host_overhead.py [--concurrency 64,256,1024] [--steps 10] [--blocks 10] [--quick]
+    python experiments/host_overhead.py [--concurrency 64,256,1024] [--steps 10] [--blocks 16] [--quick]
 """
 
 from __future__ import annotations
@@ -207,7 +207,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="64,256,1024")
     ap.add_argument("--steps", type=int, default=10, help="steps per timed block")
-    ap.add_argument("--blocks", type=int, default=10, help="timed blocks per mode, sync and async alternating")
+    ap.add_argument("--blocks", type=int, default=16, help="timed blocks per mode, sync and async alternating "
+                    "(16: the hidden share is a median over 16 pairs; one pair ranges widely on a shared machine)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 64 and 256, 2 blocks of 5 steps; written to "
                     "build/results-quick/")
     args = ap.parse_args()
