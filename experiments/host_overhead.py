@@ -20,7 +20,8 @@ synchronous wait counts that restart. On this CPU the "device" is XLA's threads 
 thread, so overlap is limited by the cores as well as by the pipeline. For the same reason a phase's
 wall time can include stretches where XLA's threads had the Python thread's core: `cpu` is the
 engine thread's own CPU time per step (`time.thread_time`), the host work itself, and `runtime_cpu`
-the part of it inside the runner's jitted call and its fetch (JAX's runtime). Each engine
+the part of it inside the runner's jitted call and its fetch (JAX's runtime; from one more block
+per engine, as timing those calls moves wall time between the phases). Each engine
 freezes the GC heap once warmed up, as the server does (`llmjax.engine.freeze_gc_heap`).
 
 A host whose device has its own memory would spend less still: this CPU's device step streams the
@@ -113,24 +114,29 @@ def measure(n: int, output_kind: str, blocks: int, steps: int) -> dict:
     """Seconds per steady decode step (wall and each phase) of a synchronous and an asynchronous
     engine, timed in alternating blocks of `steps` steps (so both see the same machine); each field
     is its median over the blocks; `hidden_pairs`: the hidden share of each pair of blocks. `cpu`:
-    the engine thread's CPU time, `runtime_cpu` the part of it inside the jitted call and the fetch."""
+    the engine thread's CPU time. Then one more block per engine with the runtime calls timed
+    (`runtime_cpu`: the engine thread's CPU inside the jitted call and the fetch), apart from the
+    timed blocks: reading the thread's clock right after the launch hands the core to XLA's threads
+    there, which would move wall time between the phases."""
     engines = {mode: decoding_engine(n, mode == "async", output_kind) for mode in ("sync", "async")}
-    runtime = {mode: time_runtime_calls(engine) for mode, engine in engines.items()}
     samples: dict[str, list[dict]] = {"sync": [], "async": []}
     for block in range(blocks):
         for mode in ("sync", "async") if block % 2 == 0 else ("async", "sync"):
             engine = engines[mode]
-            before, t0, c0, r0 = counters(engine), time.perf_counter(), time.thread_time(), runtime[mode][0]
+            before, t0, c0 = counters(engine), time.perf_counter(), time.thread_time()
             for _ in range(steps):
                 engine.step()
             wall, cpu = (time.perf_counter() - t0) / steps, (time.thread_time() - c0) / steps
             after = counters(engine)
-            samples[mode].append({"wall": wall, "cpu": cpu, "runtime_cpu": (runtime[mode][0] - r0) / steps,
-                                  **{k: (after[k] - before[k]) / steps for k in after}})
-    for engine in engines.values():
-        assert len(engine.scheduler.running) == n, "every request must still be decoding"
+            samples[mode].append({"wall": wall, "cpu": cpu, **{k: (after[k] - before[k]) / steps for k in after}})
     pairs = [(s["wall"] - a["wall"]) / (s["wall"] - s["wait"]) for s, a in zip(samples["sync"], samples["async"])]
     out = {mode: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for mode, runs in samples.items()}
+    for mode, engine in engines.items():
+        spent = time_runtime_calls(engine)
+        for _ in range(steps):
+            engine.step()
+        out[mode]["runtime_cpu"] = spent[0] / steps
+        assert len(engine.scheduler.running) == n, "every request must still be decoding"
     for r in out.values():
         r["host"] = sum(r[p] for p in PHASES)
     return {**out, "hidden_pairs": pairs}
@@ -214,8 +220,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.concurrency, args.steps, args.blocks = "64,256", 5, 2
-    if 8 + args.blocks * args.steps + 8 > MAX_TOKENS:
-        ap.error(f"blocks x steps must stay below {MAX_TOKENS - 16} (each request's output length)")
+    if 8 + (args.blocks + 1) * args.steps + 8 > MAX_TOKENS:  # + 1: the block with the runtime calls timed
+        ap.error(f"(blocks + 1) x steps must stay below {MAX_TOKENS - 16} (each request's output length)")
     levels = [int(c) for c in args.concurrency.split(",")]
     rows = []
     bar = tqdm(total=len(levels) * len(OUTPUT_KINDS) + len(OUTPUT_KINDS), desc="settings", unit="setting")
@@ -287,7 +293,8 @@ def main() -> None:
         "async wall) / sync host, per pair of neighbouring blocks, median and range. Host thread CPU: the engine "
         "thread's own CPU time per step (`time.thread_time`; the wall-clock phases also count time in which "
         "XLA's threads held the two shared cores), and the part of it spent inside the runner's jitted call "
-        "(packing its inputs included) and its fetch: JAX's runtime, as against the engine's own Python.", "",
+        "(packing its inputs included) and its fetch: JAX's runtime, as against the engine's own Python (from "
+        f"one more block of {args.steps} steps per engine with those calls timed).", "",
         *lines, "", *findings, "",
         "## What the device step does to the host's phases", "",
         "At 256 decodes, the engine thread's CPU time per step for schedule, prepare (input building) and apply (the "
