@@ -175,18 +175,16 @@ def kernel_bench(d: dict, n: Numbers) -> str:
 
 def host_overhead(d: dict, n: Numbers) -> str:
     parts = [f"{n(r['concurrency'], 'd')} decodes, {r['outputs']} outputs: {n(r['sync_host_ms'], '.2f')} ms "
-             + (f"({n(r['sync_cpu_ms'], '.2f')} ms thread CPU), " if "sync_cpu_ms" in r else ", ")
-             + f"{n(r['hidden'], '.0%')} hidden" for r in d["rows"]]
-    clocks = "wall clock and the engine thread's CPU time" if "sync_cpu_ms" in d["rows"][0] else "wall clock"
-    cache = ""
-    if "cache_effect" in d:
-        c = d["cache_effect"]["final"]
-        cache = (f"; at {n(c['concurrency'], 'd')} decodes (final outputs) schedule + prepare + apply without "
-                 f"device steps: {n(c['hot_total'], '.0f', 1e6)} us of CPU hot, "
-                 f"{n(c['streamed_total'], '.0f', 1e6)} us with a step's KV bytes "
-                 f"({n(c['kv_bytes'], '.0f', 2**-20)} MiB) streamed through the caches between them")
-    return (f"host time per decode step of a tiny model (synchronous, {clocks}), and the share asynchronous "
-            "scheduling hides: " + "; ".join(parts) + cache)
+             f"({n(r['sync_cpu_ms'], '.2f')} ms thread CPU, {n(r['sync_runtime_cpu_ms'], '.2f')} ms of it in the "
+             f"jitted call and fetch), {n(r['hidden'], '.0%')} hidden" for r in d["rows"]]
+    c = d["cache_effect"]["final"]
+    return ("host time per decode step of a tiny model (synchronous, wall clock and the engine thread's CPU time), "
+            "and the share asynchronous scheduling hides: " + "; ".join(parts)
+            + f"; at {n(c['concurrency'], 'd')} decodes (final outputs) schedule + prepare + apply without "
+            f"device steps: {n(c['hot_total'], '.0f', 1e6)} us of CPU hot, {n(c['streamed_total'], '.0f', 1e6)} us "
+            f"with a step's KV bytes ({n(c['kv_bytes'], '.0f', 2**-20)} MiB) streamed through the caches between "
+            f"them; the jitted call {n(c['call_after_step'], '.0f', 1e6)} us of CPU right after a device step, "
+            f"{n(c['call_back_to_back'], '.0f', 1e6)} us back to back")
 
 
 def batching(d: dict, n: Numbers) -> str:
