@@ -28,7 +28,8 @@ A host whose device has its own memory would spend less still: this CPU's device
 KV cache through the caches the host's Python objects live in. The last table runs the host phases
 at 256 decodes without device steps, back to back (`hot`) and with a step's KV bytes streamed
 through the caches between them (`streamed`), to show that effect apart; and it times the jitted
-call issued right after a device step against the same call issued back to back.
+call issued right after a device step against the same call issued back to back, and the fetch
+right after a device step against right after another fetch.
 
     python experiments/host_overhead.py [--concurrency 64,256,1024] [--steps 10] [--blocks 16] [--quick]
 """
@@ -152,12 +153,13 @@ def cache_effect(n: int, output_kind: str, steps: int, context: int) -> dict:
     the caches where the device step would run (as this CPU's device step does). The device's part
     is replaced by the previous step's tokens; the engine is thrown away afterwards. Then the
     jitted step itself: the engine thread's CPU time in the call issued right after the device
-    finished a step, and issued back to back (queued behind that call, its code and data in cache).
-    Returns {"hot": {phase: s}, "streamed": {phase: s}, "kv_bytes": bytes streamed per device step,
-    "call_after_step": s, "call_back_to_back": s}."""
+    finished a step, and issued back to back (queued behind that call, its code and data in cache);
+    and in the fetch of a step's results right after the device finished it, and right after
+    another fetch. Returns {"hot": {phase: s}, "streamed": {phase: s}, "kv_bytes": bytes streamed
+    per device step, "call_after_step", "call_back_to_back", "fetch_after_step", "fetch_hot": s}."""
     import jax
 
-    from llmjax.runner import StepResult
+    from llmjax.runner import InFlight, StepResult
 
     engine = decoding_engine(n, False, output_kind)
     itemsize = jax.tree.leaves(engine.runner.cache)[0].dtype.itemsize
@@ -184,21 +186,27 @@ def cache_effect(n: int, output_kind: str, steps: int, context: int) -> dict:
             for phase, dt in zip(CACHE_PHASES, (t1 - t0, t2 - t1, t4 - t3)):
                 spent[phase] += dt / steps
         times[label] = spent
-    step_args = engine.runner.prepare(engine.scheduler.schedule())
-    after_step, back_to_back = [], []
+    runner, out = engine.runner, engine.scheduler.schedule()
+    step_args = runner.prepare(out)
+    timings: dict[str, list[float]] = {k: [] for k in ("call_after_step", "call_back_to_back", "fetch_after_step",
+                                                          "fetch_hot")}
     for _ in range(steps):  # the same inputs again: it rewrites the same KV slots
         t0 = time.thread_time()
-        engine.runner.run(*step_args)
+        first = runner.run(*step_args)
         t1 = time.thread_time()
-        engine.runner.run(*step_args)
-        _, packed = engine.runner.run(*step_args)
+        runner.run(*step_args)
+        last = runner.run(*step_args)
         t2 = time.thread_time()
-        packed.block_until_ready()
-        after_step.append(t1 - t0)
-        back_to_back.append((t2 - t1) / 2)
+        last[1].block_until_ready()
+        t3 = time.thread_time()
+        runner.fetch(InFlight(len(out.requests), step_args[3], *last))
+        t4 = time.thread_time()
+        runner.fetch(InFlight(len(out.requests), step_args[3], *first))  # done long ago; right after a fetch
+        t5 = time.thread_time()
+        for key, dt in zip(timings, (t1 - t0, (t2 - t1) / 2, t4 - t3, t5 - t4)):
+            timings[key].append(dt)
     return {**times, "hot_total": sum(times["hot"].values()), "streamed_total": sum(times["streamed"].values()),
-            "kv_bytes": kv_bytes, "concurrency": n, "call_after_step": statistics.median(after_step),
-            "call_back_to_back": statistics.median(back_to_back)}
+            "kv_bytes": kv_bytes, "concurrency": n, **{k: statistics.median(v) for k, v in timings.items()}}
 
 
 def in_fresh_process(fn, *args):
@@ -245,14 +253,15 @@ def main() -> None:
     bar.close()
     cache_lines = ["| outputs | KV MiB streamed per step | " + " | ".join(
         f"{p} us: hot / streamed" for p in CACHE_PHASES) + " | total us: hot / streamed "
-        "| jitted call us: after a device step / back to back |",
-        "|" + " --- |" * (len(CACHE_PHASES) + 4)]
+        "| jitted call us: after a device step / back to back | fetch us: after a device step / hot |",
+        "|" + " --- |" * (len(CACHE_PHASES) + 5)]
     for kind, c in caches.items():
         hot, cold = c["hot"], c["streamed"]
         cache_lines.append(f"| {kind} | {c['kv_bytes'] / 2**20:.0f} | " + " | ".join(
             f"{1e6 * hot[p]:.0f} / {1e6 * cold[p]:.0f}" for p in CACHE_PHASES)
             + f" | {1e6 * c['hot_total']:.0f} / {1e6 * c['streamed_total']:.0f} "
-            f"| {1e6 * c['call_after_step']:.0f} / {1e6 * c['call_back_to_back']:.0f} |")
+            f"| {1e6 * c['call_after_step']:.0f} / {1e6 * c['call_back_to_back']:.0f} "
+            f"| {1e6 * c['fetch_after_step']:.0f} / {1e6 * c['fetch_hot']:.0f} |")
 
     head = ("| decodes | outputs | mode | wall ms/step | " + " | ".join(f"{p} ms" for p in PHASES)
             + " | wait ms | host ms (wall - wait) | host thread CPU ms | of it in the jitted call and fetch ms "
@@ -306,7 +315,8 @@ def main() -> None:
         "the weights and writes activations, so the engine's own phases above can run slower still. Last column: "
         "the engine thread's CPU time in the step's jitted call issued right after the device finished a step "
         "(as the engine issues it) and issued back to back, queued behind that call (its code and data in "
-        "cache).", "",
+        "cache); and in the fetch of a step's results right after the device finished it and right after "
+        "another fetch.", "",
         *cache_lines, "", "![host time per step](host_overhead.png)",
     ])
     out = results_dir(args.quick)
