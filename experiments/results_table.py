@@ -184,7 +184,9 @@ def host_overhead(d: dict, n: Numbers) -> str:
             f"device steps: {n(c['hot_total'], '.0f', 1e6)} us of CPU hot, {n(c['streamed_total'], '.0f', 1e6)} us "
             f"with a step's KV bytes ({n(c['kv_bytes'], '.0f', 2**-20)} MiB) streamed through the caches between "
             f"them; the jitted call {n(c['call_after_step'], '.0f', 1e6)} us of CPU right after a device step, "
-            f"{n(c['call_back_to_back'], '.0f', 1e6)} us back to back")
+            f"{n(c['call_back_to_back'], '.0f', 1e6)} us back to back; the fetch "
+            f"{n(c['fetch_after_step'], '.0f', 1e6)} / {n(c['fetch_hot'], '.0f', 1e6)} us; so with hot caches a "
+            f"step's host work is {n(c['hot_host_ms'], '.2f')} ms")
 
 
 def batching(d: dict, n: Numbers) -> str:
