@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from llmjax.kv import KVCacheManager, KVUsage
@@ -16,7 +17,7 @@ def _tree(node: Node) -> tuple:
 def snapshot(m: KVCacheManager) -> tuple:
     """Everything observable about a manager, to assert that a failed call changed nothing."""
     pool = m.block_pool
-    seqs = {r: (tuple(s.block_table), s.num_tokens, s.cached_pages, s.namespace) for r, s in m._seqs.items()}
+    seqs = {r: (tuple(s.block_table), m.num_tokens(r), s.cached_pages, s.namespace) for r, s in m._seqs.items()}
     tree = {ns: _tree(root) for ns, root in m.prefix_cache._roots.items()} if m.prefix_cache else None
     return (
         m.usage(),
@@ -253,20 +254,35 @@ def test_grow_each_is_sequential_grows_all_or_nothing(seed):
     pytest.fail("the pool never ran out")
 
 
-def test_grow_each_reuses_its_lookup_only_while_no_request_comes_or_goes():
+def test_grow_each_works_on_arrays_only_while_nothing_else_changes_a_request():
+    """Called again with the same tuple, `grow_each` updates its arrays and leaves the requests'
+    own counts stale; every other method sees the true counts, and one that changes a request (or
+    a request coming or going) ends the fast path."""
     m = KVCacheManager(num_blocks=16, block_size=2)
     m.allocate("a", [1, 2], 100)
     m.allocate("b", [3], 100)
     keys = ("a", "b")
-    assert m.grow_each(keys, [3, 2]) and m.grow_each(keys, [4, 3])
+    assert m.grow_each(keys, [3, 2]) and m.grow_each(keys, np.array([4, 3]))
+    assert m._group is not None and m._group.stale  # the second call took the fast path
+    assert (m.num_tokens("a"), m.num_tokens("b")) == (4, 3) and m.slot_usage() == (7, 1)
+    assert m.grow_each(keys, [5, 5])  # both cross into a new block
+    assert [len(m.block_table(k)) for k in keys] == [3, 3]
+    m.grow("a", 6)  # another method changed a request: the next call looks the requests up again
+    assert m._group is None and m.grow_each(keys, [6, 6]) and m.num_tokens("b") == 6
+    m.check_invariants()
     m.free("b")
     before = snapshot(m)
     with pytest.raises(KeyError):
-        m.grow_each(keys, [5, 4])  # b is gone: the earlier lookup is not used
+        m.grow_each(keys, [7, 7])  # b is gone: the earlier lookup is not used
     assert snapshot(m) == before
     m.allocate("b", [7, 8, 9], 100)  # another request under the same id
-    assert m.grow_each(keys, [5, 6])
-    assert (m.num_tokens("a"), m.num_tokens("b")) == (5, 6) and len(m.block_table("b")) == 3
+    assert m.grow_each(keys, [7, 6]) and m.grow_each(keys, [8, 7])
+    assert (m.num_tokens("a"), m.num_tokens("b")) == (8, 7) and len(m.block_table("b")) == 4
+    with pytest.raises(ValueError):
+        m.grow_each(keys, [7, 8])  # a would shrink: reported as by the general path
+    with pytest.raises(ValueError):
+        m.grow_each(keys, [8, 100])  # more blocks than the pool has
+    assert (m.num_tokens("a"), m.num_tokens("b")) == (8, 7)
     m.check_invariants()
 
 

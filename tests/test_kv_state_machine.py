@@ -1,4 +1,4 @@
-"""Random interleavings of allocate / grow / cache_blocks / free / evict / match / reset against a naive model.
+"""Random interleavings of allocate / grow / grow_each / cache_blocks / free / evict / match / reset against a naive model.
 
 The model keeps each request's full token sequence and token count, which prefixes were ever
 cached and which are locked by live requests. It also plays the engine: every time a request
@@ -11,6 +11,7 @@ matched against other tokens shows up there. Every failed call must change nothi
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -39,6 +40,7 @@ class KVMachine(RuleBasedStateMachine):
         self.ever_cached: set[tuple[object, tuple[int, ...]]] = set()
         self.kv: dict[int, tuple] = {}  # slot -> (namespace, prefix) whose KV it holds
         self.next_id = 0
+        self.group: tuple = ()  # the tuple `grow_each` was last given
         self.expected_stats = [0, 0, 0, 0]  # queries, queried tokens, hits, hit tokens
 
     # --- model helpers -------------------------------------------------------------------------
@@ -115,6 +117,28 @@ class KVMachine(RuleBasedStateMachine):
             self.seq[r] += (new_tokens + [1] * total)[: max(0, total - len(self.seq[r]))]
             self.write(r, self.held[r], total)
             self.held[r] = total
+            return
+        assert snapshot(self.m) == before
+
+    @precondition(lambda self: self.held)
+    @rule(more=st.lists(st.integers(0, 3), min_size=1, max_size=6), new_tokens=tokens)
+    def grow_each(self, more, new_tokens):
+        """Every live request at once, passed as the same tuple object while the live set is the
+        same (as the scheduler's steady decode batch): `grow_each`'s fast path."""
+        keys = tuple(sorted(self.held))
+        if keys != self.group:
+            self.group = keys
+        keys = self.group
+        totals = [self.held[r] + more[j % len(more)] for j, r in enumerate(keys)]
+        before = snapshot(self.m)
+        if any(self.m.num_blocks_for(n) > NUM_BLOCKS - 1 for n in totals):
+            with pytest.raises(ValueError):
+                self.m.grow_each(keys, np.array(totals))
+        elif self.m.grow_each(keys, np.array(totals)):
+            for r, total in zip(keys, totals):
+                self.seq[r] += (new_tokens + [1] * total)[: max(0, total - len(self.seq[r]))]
+                self.write(r, self.held[r], total)
+                self.held[r] = total
             return
         assert snapshot(self.m) == before
 

@@ -19,6 +19,8 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from llmjax.kv.block_pool import BlockPool
 from llmjax.kv.radix_cache import Node, PrefixCacheStats, PrefixMatch, RadixCache
 
@@ -39,11 +41,25 @@ class KVUsage:
 @dataclass(eq=False, slots=True)
 class _Seq:
     block_table: list[int]
-    num_tokens: int
+    num_tokens: int  # stale while the request is in a `_Group` with `stale` set
     capacity: int  # len(block_table) * block_size: the tokens its table holds room for
     node: Node | None  # deepest node of the locked tree path; None when nothing is locked
     cached_pages: int  # blocks of the locked path = the first blocks of block_table
     namespace: Hashable
+
+
+@dataclass(eq=False, slots=True)
+class _Group:
+    """The requests of `grow_each`'s last call, given as a tuple. A steady decode batch grows the
+    same requests every step: given the same `ids` tuple again, with no other method called since
+    that changes a request, `grow_each` works on these arrays and leaves the `_Seq`s' `num_tokens`
+    stale (`stale`) until a method reads them (`KVCacheManager._sync_group`)."""
+
+    ids: tuple
+    seqs: list[_Seq]
+    num_tokens: np.ndarray  # [n] int64: each request's tokens (the truth while `stale`)
+    capacity: np.ndarray  # [n] int64: each request's `_Seq.capacity`
+    stale: bool = False
 
 
 class KVCacheManager:
@@ -59,10 +75,7 @@ class KVCacheManager:
         self.prefix_cache = RadixCache(self.block_pool, block_size) if enable_prefix_caching else None
         self._seqs: dict[Hashable, _Seq] = {}
         self._num_seq_tokens = 0  # sum of num_tokens over requests
-        # `grow_each`'s last lookup: (req_ids tuple, their `_Seq`s, `_seqs_version` then); a steady
-        # decode batch grows the same requests every step, and looking them up touches every dict entry
-        self._seqs_version = 0  # bumped whenever a request is added or removed
-        self._last_lookup: tuple[tuple, list[_Seq], int] = ((), [], -1)
+        self._group: _Group | None = None  # see `_Group`
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """ceil(num_tokens / block_size)."""
@@ -89,6 +102,7 @@ class KVCacheManager:
         """
         if req_id in self._seqs:
             raise ValueError(f"request {req_id!r} already holds blocks")
+        self._sync_group(forget=True)
         if not token_ids or max_new_tokens < 1:
             raise ValueError(f"need token_ids and max_new_tokens >= 1, got {len(token_ids)} tokens, {max_new_tokens}")
         cache, pool = self.prefix_cache, self.block_pool
@@ -107,7 +121,6 @@ class KVCacheManager:
         pool.incref(match.blocks)
         table = [*match.blocks, *self._take(need)]
         self._seqs[req_id] = _Seq(table, num_tokens, len(table) * self.block_size, node, len(match.blocks), namespace)
-        self._seqs_version += 1
         self._num_seq_tokens += num_tokens
         if cache and count_query:
             cache.record_query(len(token_ids), num_cached)
@@ -118,31 +131,34 @@ class KVCacheManager:
         boundary is crossed. False (nothing changed) when there is no room even after eviction.
         KeyError for an unknown request; ValueError when num_tokens is below what it holds or
         needs more blocks than the pool has in all."""
+        self._sync_group(forget=True)
         seq = self._seqs.get(req_id) or self._seq(req_id)  # the latter raises the KeyError
         held = seq.num_tokens
         if held <= num_tokens <= seq.capacity:  # within its last block
             seq.num_tokens = num_tokens
             self._num_seq_tokens += num_tokens - held
             return True
-        return self.grow_each((req_id,), (num_tokens,))
+        return self.grow_each([req_id], [num_tokens])
 
-    def grow_each(self, req_ids: Sequence[Hashable], num_tokens: Sequence[int]) -> bool:
+    def grow_each(self, req_ids: Sequence[Hashable], num_tokens: Sequence[int] | np.ndarray) -> bool:
         """`grow` request `req_ids[i]` to `num_tokens[i]` tokens for every i, all or nothing: False
         (nothing changed) when the pool cannot hold the blocks they need together. New blocks are
         taken in the order of `req_ids`, as that many `grow` calls would. Errors as `grow`, checked
-        before anything changes. A tuple `req_ids` that is the same object as in the last call,
-        with no request added or removed since, reuses that call's lookup."""
-        last_ids, last_held, version = self._last_lookup
-        if req_ids is last_ids and version == self._seqs_version:
-            held = last_held
-        else:
-            seqs = self._seqs
-            try:
-                held = [seqs[req_id] for req_id in req_ids]  # their `_Seq`s
-            except KeyError as err:
-                self._seq(err.args[0])  # raises the KeyError with its message
-            if isinstance(req_ids, tuple):
-                self._last_lookup = (req_ids, held, self._seqs_version)
+        before anything changes. Called again with the same tuple `req_ids`, and nothing else
+        called in between, it works on arrays (see `_Group`): no per-request work unless a request
+        crosses into a new block."""
+        group = self._group
+        if group is not None and req_ids is group.ids:
+            grown = self._grow_group(group, np.asarray(num_tokens, np.int64))
+            if grown is not None:
+                return grown
+        self._sync_group(forget=True)
+        seqs = self._seqs
+        try:
+            held = [seqs[req_id] for req_id in req_ids]  # their `_Seq`s
+        except KeyError as err:
+            self._seq(err.args[0])  # raises the KeyError with its message
+        num_tokens = np.asarray(num_tokens, np.int64).tolist()
         # the requests that cross into a new block (or ask for fewer tokens than they hold: an error)
         short = [(seq, n) for seq, n in zip(held, num_tokens) if not seq.num_tokens <= n <= seq.capacity]
         for seq, n in short:
@@ -150,17 +166,57 @@ class KVCacheManager:
                 req_id = next(r for r, s in zip(req_ids, held) if s is seq)
                 raise ValueError(f"request {req_id!r} holds {seq.num_tokens} tokens; cannot shrink to {n}")
             self._check_fits(n)
-        need = sum(self.num_blocks_for(n) - len(seq.block_table) for seq, n in short)
-        if need > self.block_pool.num_free + self.block_pool.num_evictable:
+        if not self._extend([seq for seq, _ in short], [n for _, n in short]):
             return False
-        for seq, n in short:
-            seq.block_table += self._take(self.num_blocks_for(n) - len(seq.block_table))
-            seq.capacity = len(seq.block_table) * self.block_size
         before = sum([seq.num_tokens for seq in held])
         for seq, n in zip(held, num_tokens):
             seq.num_tokens = n
         self._num_seq_tokens += sum(num_tokens) - before
+        if isinstance(req_ids, tuple):
+            self._group = _Group(req_ids, held, np.array(num_tokens, np.int64),
+                                 np.array([seq.capacity for seq in held], np.int64))
         return True
+
+    def _grow_group(self, group: _Group, wanted: np.ndarray) -> bool | None:
+        """`grow_each` on the group's arrays; None (nothing changed) when a request would shrink or
+        not fit the pool at all, which the general path reports."""
+        if (wanted < group.num_tokens).any():
+            return None
+        crossing = np.flatnonzero(wanted > group.capacity).tolist()
+        if crossing:
+            if self.num_blocks_for(int(wanted[crossing].max())) > self.block_pool.num_usable:
+                return None
+            if not self._extend([group.seqs[i] for i in crossing], wanted[crossing].tolist()):
+                return False
+            for i in crossing:
+                group.capacity[i] = group.seqs[i].capacity
+        self._num_seq_tokens += int(wanted.sum() - group.num_tokens.sum())
+        group.num_tokens, group.stale = wanted, True
+        return True
+
+    def _extend(self, seqs: list[_Seq], num_tokens: list[int]) -> bool:
+        """Give each of `seqs` the blocks for `num_tokens[i]` tokens, in order, all or nothing."""
+        need = sum(self.num_blocks_for(n) - len(seq.block_table) for seq, n in zip(seqs, num_tokens))
+        if need > self.block_pool.num_free + self.block_pool.num_evictable:
+            return False
+        for seq, n in zip(seqs, num_tokens):
+            seq.block_table += self._take(self.num_blocks_for(n) - len(seq.block_table))
+            seq.capacity = len(seq.block_table) * self.block_size
+        return True
+
+    def _sync_group(self, forget: bool) -> None:
+        """Write the group's token counts back to its `_Seq`s; `forget` it too before a request's
+        tokens or blocks change or a request comes or goes. Every method that reads a request's
+        `num_tokens` or changes a request calls it first (`grow_each`'s fast path aside)."""
+        group = self._group
+        if group is None:
+            return
+        if group.stale:
+            for seq, n in zip(group.seqs, group.num_tokens.tolist()):
+                seq.num_tokens = n
+            group.stale = False
+        if forget:
+            self._group = None
 
     def cache_blocks(self, req_id: Hashable, token_ids: Sequence[int]) -> None:
         """Insert the full pages of `token_ids` (the request's tokens whose KV is computed, a
@@ -169,6 +225,7 @@ class KVCacheManager:
         then is its own duplicate released. A no-op with prefix caching off. KeyError for an
         unknown request; ValueError when token_ids is longer than the tokens it holds or
         disagrees with the content of its cached blocks."""
+        self._sync_group(forget=False)  # the tokens and capacities stay; block ids may be swapped
         seq = self._seq(req_id)
         if len(token_ids) > seq.num_tokens:
             raise ValueError(f"request {req_id!r} holds {seq.num_tokens} tokens, not {len(token_ids)}")
@@ -195,11 +252,11 @@ class KVCacheManager:
         KV is computed) their full pages are cached first, as by `cache_blocks`. Its cached blocks
         become evictable tail first. KeyError for an unknown (or already freed) request; ValueError
         for bad token_ids, as in `cache_blocks` (then the request is not freed)."""
+        self._sync_group(forget=True)
         seq = self._seq(req_id)
         if token_ids is not None:
             self.cache_blocks(req_id, token_ids)
         del self._seqs[req_id]
-        self._seqs_version += 1
         if seq.node is not None:
             self.prefix_cache.unlock(seq.node)
         self.block_pool.decref(seq.block_table[::-1])
@@ -212,6 +269,7 @@ class KVCacheManager:
 
     def num_tokens(self, req_id: Hashable) -> int:
         """The tokens the request holds slots for (what it was last allocated or grown to)."""
+        self._sync_group(forget=False)
         return self._seq(req_id).num_tokens
 
     def has_request(self, req_id: Hashable) -> bool:
@@ -248,6 +306,7 @@ class KVCacheManager:
         count equals the number of block tables holding it (the tree holds no references); no
         block is both free and mapped; each table covers its tokens exactly and starts with its
         locked tree path; each cached node's blocks hold exactly its tokens."""
+        self._sync_group(forget=False)
         pool = self.block_pool
         pool.check_invariants()
         holders = Counter(b for seq in self._seqs.values() for b in seq.block_table)
@@ -262,6 +321,11 @@ class KVCacheManager:
                     f"{req_id!r}: locked tree path is not the head of its block table"
                 )
         assert self._num_seq_tokens == sum(s.num_tokens for s in self._seqs.values()), "token counter drifted"
+        if self._group is not None:
+            group = self._group
+            assert all(self._seqs.get(r) is seq for r, seq in zip(group.ids, group.seqs)), "grow_each's group is stale"
+            assert group.num_tokens.tolist() == [seq.num_tokens for seq in group.seqs], "group's tokens drifted"
+            assert group.capacity.tolist() == [seq.capacity for seq in group.seqs], "group's capacities drifted"
         if self.prefix_cache:
             self.prefix_cache.check_invariants()
 
