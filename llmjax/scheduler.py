@@ -95,6 +95,9 @@ class SchedulerOutput:
     new_rows: list[RowInit] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     running_version: int = -1  # a decode-only step where every request samples: the scheduler's running version then
+    # such a step also carries, as scalars, what its update would otherwise test request by request:
+    headroom: int = 0  # min over its requests of max_output - output_index - 1: tokens each may add after this one
+    has_stop_ids: bool = True  # whether any of its requests has stop ids
 
     @property
     def empty(self) -> bool:
@@ -225,25 +228,29 @@ class Scheduler:
             return None  # a waiting request may be admitted
         pick = (lambda x: x[before]) if self._left else (lambda x: x)  # noqa: E731
         output_index, max_output = pick(last.output_index) + 1, pick(last.max_output)
-        if (output_index >= max_output).any():
-            return None  # the general path skips it (done when its pending token arrives)
+        headroom = int((max_output - output_index).min()) - 1 if self._left else last.headroom - 1
+        if headroom < 0:  # one has sampled its last token: the general path skips it (done when that arrives)
+            return None
         start = pick(last.num_computed) + 1
-        if not self.kv.grow_each(keys, (start + 1).tolist()):
+        if not self.kv.grow_each(keys, start + 1):
             return None  # the general path preempts
-        pending = []
+        # the last step's tokens are on the device (not applied yet) for all of them or for none: a
+        # step's update applies every token at once, and a request that finished has left
+        on_device = requests[0].num_pending > 0
         for request in requests:
-            pending.append(request.num_pending)
             request.num_computed_tokens += 1
             request.num_pending += 1
         if self._left:  # the others moved up; without departures each is already at its index
             for i, request in enumerate(requests):
                 request.inflight_index = i
+        stop_ids = pick(last.stop_ids)
         out = SchedulerOutput(requests, num_new_tokens=pick(last.num_new_tokens), num_computed=start,
                               rows=pick(last.rows), samples=pick(last.samples), output_index=output_index,
-                              max_output=max_output, stop_ids=pick(last.stop_ids), num_decodes=n, num_tokens=n)
+                              max_output=max_output, stop_ids=stop_ids, num_decodes=n, num_tokens=n, headroom=headroom,
+                              has_stop_ids=bool(stop_ids.any()) if self._left else last.has_stop_ids)
         out.bucket = self.buckets.shape(n, n, -(-(int(start.max()) + 1) // config.block_size))
         if self.build_step_inputs:  # a token still on the device is at its index in the last step
-            self._step_inputs(out, np.array(pending) > 0, before)
+            self._step_inputs(out, np.full(n, on_device), before)
         out.running_version = self._running_version
         self._last_decodes, self._left = (out, keys), []
         return out
@@ -384,6 +391,8 @@ class Scheduler:
                 request.inflight_index = i
         if out.decode_only and out.samples.all():
             out.running_version = self._running_version
+            out.headroom = int((out.max_output - out.output_index).min()) - 1
+            out.has_stop_ids = bool(out.stop_ids.any())
             self._last_decodes, self._left = (out, tuple([r.key for r in out.requests])), []
 
     def _step_inputs(self, out: SchedulerOutput, pending: np.ndarray, inflight_index: np.ndarray) -> None:
@@ -456,11 +465,14 @@ class Scheduler:
             got_tokens = sampled[got]
             if self.build_step_inputs:  # the rows of schedule time: still theirs, or (preempted since) still free
                 self._last_token[out.rows[got]] = got_tokens
-            may_stop = (out.output_index[got] + 1 >= out.max_output[got]) | out.stop_ids[got]
+            # none reaching its length limit and none with stop ids (a steady step says so): only EOS ends one
+            only_eos = isinstance(indices, range) and out.headroom > 0 and not out.has_stop_ids
+            may_stop = None if only_eos else (out.output_index[got] + 1 >= out.max_output[got]) | out.stop_ids[got]
             for eos in self._eos:
-                may_stop |= got_tokens == eos
-            for j in np.flatnonzero(may_stop).tolist():
-                self._check_stops(appended[j], tokens[indices[j]])
+                may_stop = got_tokens == eos if may_stop is None else may_stop | (got_tokens == eos)
+            if may_stop is not None and may_stop.any():
+                for j in np.flatnonzero(may_stop).tolist():
+                    self._check_stops(appended[j], tokens[indices[j]])
         chunks = self.config.enable_prefix_caching
         if d < len(requests) and isinstance(indices, range):
             indices = list(indices)

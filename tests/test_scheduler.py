@@ -211,7 +211,9 @@ def _drive(fast_path: bool, async_steps: bool, seed: int, num_blocks: int, burst
             steps.append(([r.request_id for r in out.requests], out.num_new_tokens.tolist(),
                           out.num_computed.tolist(), out.rows.tolist(), out.samples.tolist(),
                           out.output_index.tolist(), out.token_ids.tolist(), out.token_source.tolist(),
-                          out.block_tables.tolist(), out.bucket, [r.request_id for r in out.preempted]))
+                          out.block_tables.tolist(), out.bucket,
+                          (out.headroom, out.has_stop_ids) if out.running_version >= 0 else None,
+                          [r.request_id for r in out.preempted]))
         done, inflight = (inflight, out) if async_steps else (out, None)
         if done is not None and not done.empty:
             tokens = [5 if (int(r.request_id[1:]) + len(r.output_token_ids)) % 29 == 0 else
