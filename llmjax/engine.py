@@ -47,6 +47,7 @@ from llmjax.tokenizer import CharTokenizer, IncrementalDetokenizer, Tokenizer, l
 
 CPU_KV_BUDGET_BYTES = 1 << 30
 DELTA = RequestOutputKind.DELTA
+_RUNNING = RequestStatus.RUNNING
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,12 @@ class _SequenceState:
 
 @dataclass(eq=False, slots=True)
 class _Parent:
-    """A request as the caller sees it: its n samples (`children`, sample i at index i) and their
-    text states (`texts[i]`)."""
+    """A request as the caller sees it: its n samples (`children`, sample i at index i, each with
+    this as its `owner`) and their text states (`texts[i]`).
+
+    `quiet`: one sample, FINAL_ONLY, no logprobs, no stop strings. Once it has its first token, a
+    step that gives it a token and does not end it only records the token's time (`token_times`),
+    so a steady decode step touches nothing else of it."""
 
     request_id: str
     prompt: str | None
@@ -115,6 +120,8 @@ class _Parent:
     texts: list[_SequenceState]
     metrics: RequestMetrics  # live: every delta output refers to it; complete once the request finishes
     held: list[Request] = field(default_factory=list)  # samples not yet given to the scheduler
+    quiet: bool = False
+    finished: bool = False  # its final output is out (it left `LLMEngine._parents`)
 
 
 class LLMEngine:
@@ -201,7 +208,10 @@ class LLMEngine:
         states = [_SequenceState(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
                   for _ in children]
         # nothing above changed the engine; from here on nothing raises
-        parent = _Parent(request_id, text, ids, params, children, states, RequestMetrics(arrival))
+        quiet = params.n == 1 and params.output_kind is not DELTA and params.logprobs is None and not params.stop
+        parent = _Parent(request_id, text, ids, params, children, states, RequestMetrics(arrival), quiet=quiet)
+        for child in children:
+            child.owner = parent
         self._parents[request_id] = parent
         # The other samples wait until the first one's prompt is computed, then find its full pages in
         # the prefix cache: the prompt is computed once.
@@ -298,13 +308,17 @@ class LLMEngine:
         t2 = time.perf_counter()
         self.time_update += t2 - t1
         now = time.monotonic()
-        parents = self._parents
         outputs: list[RequestOutput] = []
         grouped: dict[_Parent, list[Request]] = {}  # parents with n > 1: their samples that changed, in order
         self.num_generation_tokens += len(appended)
         for i, request in zip(indices, appended):
-            parent = parents.get(request.parent_id)
-            if parent is None:  # its request failed earlier in this step
+            parent: _Parent = request.owner
+            if parent.quiet and request.status is _RUNNING:  # see `_Parent`
+                times = parent.metrics.token_times
+                if times:
+                    times.append(now)
+                    continue
+            if parent.finished:  # its request failed earlier in this step
                 continue
             try:
                 self._after_token(request, parent, result, i, now)
@@ -323,7 +337,7 @@ class LLMEngine:
             elif parent.params.output_kind is DELTA or request.status.finished:
                 outputs.append(self._output(parent, (request,)))
         for parent, samples in grouped.items():
-            if parent.request_id not in parents:
+            if parent.finished:
                 continue
             if parent.params.output_kind is DELTA:
                 outputs.append(self._output(parent, samples))
@@ -345,7 +359,6 @@ class LLMEngine:
             times.append(now)
         elif times[-1] != now:
             times.append(now)
-        metrics.num_generation_tokens += 1
         if len(output_ids) == 1 and request.sample_index == 0:
             self.num_prompt_tokens += len(request.prompt_token_ids)  # counted once prefilled, as vLLM does
         params = request.sampling_params
@@ -461,10 +474,13 @@ class LLMEngine:
         finished = first.status.finished if len(kids) == 1 else all(c.status.finished for c in kids)
         metrics = parent.metrics
         metrics.first_scheduled_time = first.scheduled_time
+        metrics.num_generation_tokens = len(first.output_token_ids) if len(kids) == 1 else \
+            sum(len(c.output_token_ids) for c in kids)
         if finished:
             metrics.finish_time = max(c.finish_time for c in kids)
             metrics.num_preemptions = sum(c.num_preemptions for c in kids)
             del self._parents[parent.request_id]
+            parent.finished = True
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
                              metrics, first.num_cached_tokens)
 

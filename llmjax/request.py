@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Any, Hashable
 
 from llmjax.sampling_params import SamplingParams
 
@@ -42,7 +42,8 @@ class Request:
     computed before it can sample. `row`: its batch row while running (-1 otherwise).
     `namespace` is the prefix-cache tenant (None: the shared default). `seed` may be any 64-bit
     integer (the sampler folds it into the PRNG key as two 32-bit words). `parent_id`: the id of
-    the request it is one sample of (the engine's `n` > 1), None for its own. `key`: its name in the
+    the request it is one sample of (the engine's `n` > 1), None for its own; `owner`: the engine's
+    record of that request (opaque to the scheduler). `key`: its name in the
     KV manager, unique among live requests (default: `request_id`; the engine numbers its samples,
     as the ids callers give may clash with a sample's `<id>#<i>`).
     Compared and hashed by identity.
@@ -56,6 +57,7 @@ class Request:
     prompt: str | None = None
     sample_index: int = 0  # which of its parent request's n samples this is
     parent_id: str | None = None
+    owner: Any = None
     key: Hashable = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)

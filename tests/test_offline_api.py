@@ -33,7 +33,7 @@ def test_prompt_forms_and_output_shape(llm):
         m = out.metrics
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finish_time
         assert len(m.token_times) == len(c.token_ids) and m.token_times == sorted(m.token_times)
-        assert m.num_preemptions == 0
+        assert m.num_preemptions == 0 and m.num_generation_tokens == len(c.token_ids)
     assert [o.prompt for o in outs] == [text, text, None]
     [single] = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
     assert single.outputs[0].token_ids == expected
@@ -72,6 +72,7 @@ def test_step_returns_deltas(llm):
     assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
     assert all(d.metrics is deltas[-1].metrics for d in deltas)  # one live record, never copied per step
     assert len(deltas[-1].metrics.token_times) == 12 and deltas[-1].metrics.finish_time is not None
+    assert deltas[-1].metrics.num_generation_tokens == 12
     assert deltas[-1].request_id == rid
 
 
