@@ -174,6 +174,16 @@ def _pad(values: np.ndarray, size: int, fill=0) -> np.ndarray:
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _one_token_each(n: int, s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For n requests of one new token each, padded to S requests: (query_start_loc [S+1],
+    logits_indices [S], each token's request [n]). Read-only: shared by every such step."""
+    arrays = np.minimum(np.arange(s + 1, dtype=np.int32), n), _pad(np.arange(n, dtype=np.int32), s), np.arange(n)
+    for x in arrays:
+        x.flags.writeable = False
+    return arrays
+
+
 class ModelRunner:
     """Builds inputs and runs the jitted step. Not thread-safe (the engine loop owns it).
 
@@ -201,7 +211,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.penalties = self._empty_penalties()
         self._rows = _RowParams(config.max_num_seqs)
-        self._last_sampling: tuple[np.ndarray, np.ndarray, SamplingInput] | None = None  # (rows, samples, gather)
+        self._last_sampling: tuple[np.ndarray, np.ndarray, SamplingInput, bool] | None = None  # (rows, samples, gather, want_top)
         self._scratch_row = config.max_num_seqs
         self._no_tokens = self._replicated(np.zeros(config.max_num_seqs, np.int32))  # no previous step
         self.num_compiles = 0
@@ -248,35 +258,39 @@ class ModelRunner:
         n_new, starts = out.num_new_tokens, out.num_computed
         tables = np.zeros((s, b), np.int32)
         tables[:n] = out.block_tables
-        qsl = np.zeros(s + 1, np.int32)
-        np.cumsum(n_new, out=qsl[1 : n + 1])
-        qsl[n + 1 :] = total
-        req_of_token = np.repeat(np.arange(n), n_new)
-        positions = np.zeros(t, np.int32)
-        positions[:total] = starts[req_of_token] + np.arange(total) - qsl[req_of_token]
-        slots = np.zeros(t, np.int32)
-        slots[:total] = tables[req_of_token, positions[:total] // self.block_size] * self.block_size + (
-            positions[:total] % self.block_size
-        )
+        if total == n:  # one token each (decodes): their positions are their starts
+            qsl, logits_indices, req_of_token = _one_token_each(n, s)
+            positions = starts
+        else:
+            qsl = np.zeros(s + 1, np.int32)
+            np.cumsum(n_new, out=qsl[1 : n + 1])
+            qsl[n + 1 :] = total
+            logits_indices = _pad(qsl[1 : n + 1] - 1, s)
+            req_of_token = np.repeat(np.arange(n), n_new)
+            positions = starts[req_of_token] + np.arange(total, dtype=np.int32) - qsl[req_of_token]
+        slots = tables[req_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
         step = StepInput(
-            token_ids=_pad(out.token_ids, t), token_source=_pad(out.token_source, t, -1), positions=positions,
-            slot_mapping=slots, query_start_loc=qsl, seq_lens=_pad(starts + n_new, s), block_tables=tables,
-            logits_indices=_pad(qsl[1 : n + 1] - 1, s), num_decodes=np.int32(out.num_decodes),
+            token_ids=_pad(out.token_ids, t), token_source=_pad(out.token_source, t, -1), positions=_pad(positions, t),
+            slot_mapping=_pad(slots, t), query_start_loc=qsl, seq_lens=_pad(starts + n_new, s), block_tables=tables,
+            logits_indices=logits_indices, num_decodes=np.int32(out.num_decodes),
         )
-        sampling = self._sampling_input(out, s)
-        want_top = n and (self._rows.logprobs[out.rows] > 0).any()
+        sampling, want_top = self._sampling_input(out, s)
         return step, sampling, out.decode_only, MAX_LOGPROBS if want_top else 0
 
-    def _sampling_input(self, out: SchedulerOutput, s: int) -> SamplingInput:
-        """Per-request sampling arrays, gathered from the rows' parameters and padded to S (greedy).
-        A step on the same rows array as the last one (the scheduler's steady decodes) reuses the
-        last gather: only the output counts changed."""
+    def _sampling_input(self, out: SchedulerOutput, s: int) -> tuple[SamplingInput, bool]:
+        """Per-request sampling arrays, gathered from the rows' parameters and padded to S (greedy),
+        and whether any request wants top logprobs. A step on the same rows array as the last one
+        (the scheduler's steady decodes) reuses the last gather: only the output counts changed."""
         r, rows = self._rows, out.rows
-        processed = r.processed[rows]
         last = self._last_sampling
         if last is not None and last[0] is rows and last[1] is out.samples and last[2].temperature.shape[0] == s:
-            return dataclasses.replace(last[2], output_index=_pad(out.output_index, s),
-                                       in_min_tokens=_pad(processed & (out.output_index < r.min_tokens[rows]), s))
+            sampling, want_top = last[2], last[3]
+            in_min_tokens = sampling.in_min_tokens
+            if sampling.processed.any():
+                in_min_tokens = _pad(r.processed[rows] & (out.output_index < r.min_tokens[rows]), s)
+            return dataclasses.replace(sampling, output_index=_pad(out.output_index, s),
+                                       in_min_tokens=in_min_tokens), want_top
+        processed = r.processed[rows]
         sampling = SamplingInput(
             temperature=_pad(r.temperature[rows], s), top_k=_pad(r.top_k[rows], s), top_p=_pad(r.top_p[rows], s, 1),
             min_p=_pad(r.min_p[rows], s), seed_hi=_pad(r.seed_hi[rows], s), seed_lo=_pad(r.seed_lo[rows], s),
@@ -287,8 +301,9 @@ class ModelRunner:
             presence_penalty=_pad(r.presence[rows], s), frequency_penalty=_pad(r.frequency[rows], s),
             repetition_penalty=_pad(r.repetition[rows], s, 1), want_logprob=_pad(r.logprobs[rows] >= 0, s),
         )
-        self._last_sampling = (rows, out.samples, sampling)
-        return sampling
+        want_top = bool(len(rows)) and bool((r.logprobs[rows] > 0).any())
+        self._last_sampling = (rows, out.samples, sampling, want_top)
+        return sampling, want_top
 
     def _take_row(self, init: RowInit) -> None:
         """A request took `init.row`: its sampling parameters, and its logits-processing table filled
@@ -379,7 +394,7 @@ class ModelRunner:
             query_start_loc=zeros(s + 1), seq_lens=zeros(s), block_tables=np.zeros((s, b), np.int32),
             logits_indices=zeros(s), num_decodes=np.int32(0),
         )
-        return step, self._sampling_input(SchedulerOutput(), s)
+        return step, self._sampling_input(SchedulerOutput(), s)[0]
 
     def lower(self, t: int, s: int, b: int, decode_only: bool = False) -> jax.stages.Lowered:
         """The step of bucket (T, S, B) lowered for inspection (`.compile().as_text()` is its HLO); runs nothing."""
