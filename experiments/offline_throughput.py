@@ -187,6 +187,7 @@ class LLMJaxRun:
         import jax
 
         from experiments.step_profile import make_step
+        from llmjax.step_input import HostInputs
         from llmjax.attention.cache_dtype import value_dtype
 
         runner, cfg = self.engine.runner, self.engine.model_config
@@ -195,10 +196,10 @@ class LLMJaxRun:
         bs = runner.block_size
         t, s, b = runner.buckets.shape(64, 64, -(-int(contexts.max()) // bs))
         step = make_step([1] * 64, contexts, t, s, b, bs, self.engine.num_blocks, rng)
-        _, sampling = runner.padding_inputs(t, s, b)
+        inputs = HostInputs.pack(step, runner.padding_inputs(t, s, b).sampling_input())  # greedy
 
         def run():
-            jax.block_until_ready(runner.run(step, sampling, True))
+            jax.block_until_ready(runner.run(inputs, True))
 
         seconds = _best_time(run, repeats)
         prompts = [[0] * (int(c) - 1) for c in contexts]  # the step's work: one new token at each context

@@ -109,6 +109,7 @@ def main() -> None:
     from llmjax.attention.backend import AttentionBackend
     from llmjax.config import EngineConfig
     from llmjax.engine import LLMEngine
+    from llmjax.step_input import HostInputs
 
     engines, variants = {}, {}
     for dtype in args.dtypes.split(","):
@@ -138,14 +139,14 @@ def main() -> None:
         t, s, b = runner.buckets.shape(sum(q_lens), len(q_lens), -(-max(contexts) // bs))
         step = make_step(q_lens, contexts, t, s, b, bs, engine.num_blocks, rng)
         decode_only = int(step.num_decodes) == len(q_lens)
-        _, sampling = runner.padding_inputs(t, s, b)  # greedy
+        inputs = HostInputs.pack(step, runner.padding_inputs(t, s, b).sampling_input())  # greedy
 
         def run(variant):
             owner, fn = variant
             own = owner._step_fn
             owner._step_fn = fn or own  # None: the engine's own step
             try:
-                out = owner.run(step, sampling, decode_only)
+                out = owner.run(inputs, decode_only)
             finally:
                 owner._step_fn = own
             jax.block_until_ready(out)

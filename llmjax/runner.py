@@ -1,5 +1,5 @@
-"""The model runner: pads a `SchedulerOutput` into a `StepInput`, dispatches one jitted step, fetches
-its sampled tokens.
+"""The model runner: writes a `SchedulerOutput`, padded to its bucket, into a step's input buffer,
+dispatches one jitted step, fetches its sampled tokens.
 
 Owns the KV cache arrays, the per-row sampling parameters and logits-processing tables
 (`PenaltyState`, see `llmjax.sampler`; one row per batch row, i.e. per running request, plus a
@@ -7,8 +7,9 @@ scratch row) and the jitted step. It never reads `Request` objects: everything c
 scheduler's arrays and its `RowInit`s.
 
 The step is a pure function of (parameters, cache, penalty tables, the previous step's sampled
-tokens, StepInput, SamplingInput); the last two travel packed in one int32 buffer
-(`llmjax.step_input.pack`: one host-to-device transfer a step). The cache and the tables are
+tokens, StepInput, SamplingInput); the last two are written on the host into one int32 buffer
+laid out per bucket (`llmjax.step_input.HostInputs`: one host-to-device transfer a step, no
+packing pass, and a static layout argument that costs a lookup). The cache and the tables are
 donated, so the KV write and the token counts happen in place and no step copies the cache. A
 new token still on the device (the scheduler's `token_source`) is read from the previous step's
 sampled tokens inside the step, so step N+1 can be dispatched before step N's tokens reach the
@@ -20,7 +21,6 @@ nothing the second time. A step's results come back in one device-to-host transf
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import time
@@ -39,10 +39,10 @@ from llmjax.buckets import Shape, StepBuckets
 from llmjax.config import EngineConfig
 from llmjax.models.loader import LoadedModel
 from llmjax.models.transformer import init_cache
-from llmjax.sampler import PenaltyState, SamplingInput, sample
+from llmjax.sampler import PenaltyState, sample
 from llmjax.sampling_params import MAX_LOGPROBS
 from llmjax.scheduler import RowInit, SchedulerOutput
-from llmjax.step_input import PackLayout, StepInput, pack, unpack
+from llmjax.step_input import HostInputs, InputLayout, input_layout, unpack
 
 
 def enable_compilation_cache(path: str | None = None) -> None:
@@ -102,10 +102,10 @@ def _make_step_function(graphdef, param_tree, backend, block_size: int, layout: 
     if layout is not None:
         backend = parallel.sharded_attention(backend, layout.mesh)
 
-    def step(params, cache, penalties: PenaltyState, prev_tokens, inputs, input_layout: PackLayout,
+    def step(params, cache, penalties: PenaltyState, prev_tokens, inputs, layout: InputLayout,
              decode_only: bool, num_top_logprobs: int):
         traces[0] += 1  # runs only while tracing
-        step_input, sampling = unpack(inputs, input_layout)  # (StepInput, SamplingInput), packed on the host
+        step_input, sampling = unpack(inputs, layout)  # written on the host (`HostInputs`)
         params = jax.tree.unflatten(param_tree, params)
         src = step_input.token_source
         tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, max_num_seqs - 1)], step_input.token_ids)
@@ -168,20 +168,12 @@ class _RowParams:
         self.logprobs[r] = -1 if p.logprobs is None else p.logprobs
 
 
-def _pad(values: np.ndarray, size: int, fill=0) -> np.ndarray:
-    out = np.full(size, fill, values.dtype)
-    out[: len(values)] = values
-    return out
-
-
 @functools.lru_cache(maxsize=256)
-def _one_token_each(n: int, s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For n requests of one new token each, padded to S requests: (query_start_loc [S+1],
-    logits_indices [S], each token's request [n]). Read-only: shared by every such step."""
-    arrays = np.minimum(np.arange(s + 1, dtype=np.int32), n), _pad(np.arange(n, dtype=np.int32), s), np.arange(n)
-    for x in arrays:
-        x.flags.writeable = False
-    return arrays
+def _query_starts(n: int, s: int) -> np.ndarray:
+    """`[S+1]`: the query start of each of n requests of one new token each, padded to S (read-only)."""
+    starts = np.minimum(np.arange(s + 1, dtype=np.int32), n)
+    starts.flags.writeable = False
+    return starts
 
 
 class ModelRunner:
@@ -211,7 +203,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.penalties = self._empty_penalties()
         self._rows = _RowParams(config.max_num_seqs)
-        self._last_sampling: tuple[np.ndarray, np.ndarray, SamplingInput, bool] | None = None  # (rows, samples, gather, want_top)
+        # the last step's (rows, samples, inputs, wants top logprobs, uses logits processing): see `_write_sampling`
+        self._last_sampling: tuple[np.ndarray, np.ndarray, HostInputs, bool, bool] | None = None
         self._scratch_row = config.max_num_seqs
         self._no_tokens = self._replicated(np.zeros(config.max_num_seqs, np.int32))  # no previous step
         self.num_compiles = 0
@@ -236,74 +229,89 @@ class ModelRunner:
     def _replicated(self, x):
         return jax.device_put(x, None if self.layout is None else self.layout.replicated)
 
-    def run(self, step: StepInput, sampling: SamplingInput, decode_only: bool, num_top_logprobs: int = 0,
+    def run(self, inputs: HostInputs, decode_only: bool, num_top_logprobs: int = 0,
             prev_tokens: jax.Array | None = None):
-        """Run the jitted step on the runner's cache and tables (which it replaces); counts compilations.
-        Returns (tokens [max_num_seqs] on the device, packed results [S, 2 + 2k] on the device)."""
+        """Run the jitted step on `inputs` and the runner's cache and tables (which it replaces);
+        counts compilations. Returns (tokens [max_num_seqs] on the device, packed results [S, 2 + 2k]
+        on the device)."""
         traces_before = self._traces[0]
         prev = self._no_tokens if prev_tokens is None else prev_tokens
         tokens, packed, self.cache, self.penalties = self._step_fn(
-            self._param_leaves, self.cache, self.penalties, prev, *pack((step, sampling)), decode_only,
+            self._param_leaves, self.cache, self.penalties, prev, inputs.buffer, inputs.layout, decode_only,
             num_top_logprobs)
         self.num_compiles += self._traces[0] - traces_before
         return tokens, packed
 
     # --- input building ------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> tuple[StepInput, SamplingInput, bool, int]:
-        """Pad the scheduled batch into host arrays; vectorised (loops only over new rows)."""
+    def prepare(self, out: SchedulerOutput) -> tuple[HostInputs, bool, int]:
+        """Write the scheduled batch, padded to its bucket, into a step's input buffer; vectorised
+        (loops only over new rows). Returns (inputs, decode_only, top logprobs to compute)."""
         for init in out.new_rows:
             self._take_row(init)
         n, total = len(out.requests), out.num_tokens
         t, s, b = out.bucket
+        inputs = HostInputs(input_layout(t, s, b))
+        field = inputs.field
         n_new, starts = out.num_new_tokens, out.num_computed
-        tables = np.zeros((s, b), np.int32)
+        tables = field("block_tables")
         tables[:n] = out.block_tables
         if total == n:  # one token each (decodes): their positions are their starts
-            qsl, logits_indices, req_of_token = _one_token_each(n, s)
-            positions = starts
+            field("query_start_loc")[:] = _query_starts(n, s)
+            req_of_token, positions = _query_starts(n, s)[:n], starts
+            field("logits_indices")[:n] = req_of_token
         else:
-            qsl = np.zeros(s + 1, np.int32)
+            qsl = field("query_start_loc")
             np.cumsum(n_new, out=qsl[1 : n + 1])
             qsl[n + 1 :] = total
-            logits_indices = _pad(qsl[1 : n + 1] - 1, s)
+            field("logits_indices")[:n] = qsl[1 : n + 1] - 1
             req_of_token = np.repeat(np.arange(n), n_new)
             positions = starts[req_of_token] + np.arange(total, dtype=np.int32) - qsl[req_of_token]
-        slots = tables[req_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
-        step = StepInput(
-            token_ids=_pad(out.token_ids, t), token_source=_pad(out.token_source, t, -1), positions=_pad(positions, t),
-            slot_mapping=_pad(slots, t), query_start_loc=qsl, seq_lens=_pad(starts + n_new, s), block_tables=tables,
-            logits_indices=logits_indices, num_decodes=np.int32(out.num_decodes),
-        )
-        sampling, want_top = self._sampling_input(out, s)
-        return step, sampling, out.decode_only, MAX_LOGPROBS if want_top else 0
+        field("positions")[:total] = positions
+        field("slot_mapping")[:total] = tables[req_of_token, positions // self.block_size] * self.block_size + \
+            positions % self.block_size
+        field("token_ids")[:total] = out.token_ids
+        source = field("token_source")
+        source[:total] = out.token_source
+        source[total:] = -1
+        field("seq_lens")[:n] = starts + n_new
+        field("num_decodes")[...] = out.num_decodes
+        want_top = self._write_sampling(inputs, out)
+        return inputs, out.decode_only, MAX_LOGPROBS if want_top else 0
 
-    def _sampling_input(self, out: SchedulerOutput, s: int) -> tuple[SamplingInput, bool]:
-        """Per-request sampling arrays, gathered from the rows' parameters and padded to S (greedy),
-        and whether any request wants top logprobs. A step on the same rows array as the last one
-        (the scheduler's steady decodes) reuses the last gather: only the output counts changed."""
-        r, rows = self._rows, out.rows
+    def _write_sampling(self, inputs: HostInputs, out: SchedulerOutput) -> bool:
+        """Write the per-request sampling arrays, gathered from the rows' parameters (padded rows:
+        greedy, no processing); returns whether any request wants top logprobs. A step on the same
+        rows array as the last one (the scheduler's steady decodes) copies the last step's sampling
+        words: only the output counts (and the min_tokens masks of processed rows) change."""
+        r, rows, n = self._rows, out.rows, len(out.requests)
+        field, offset = inputs.field, inputs.layout.sampling_offset
         last = self._last_sampling
-        if last is not None and last[0] is rows and last[1] is out.samples and last[2].temperature.shape[0] == s:
-            sampling, want_top = last[2], last[3]
-            in_min_tokens = sampling.in_min_tokens
-            if sampling.processed.any():
-                in_min_tokens = _pad(r.processed[rows] & (out.output_index < r.min_tokens[rows]), s)
-            return dataclasses.replace(sampling, output_index=_pad(out.output_index, s),
-                                       in_min_tokens=in_min_tokens), want_top
+        if last is not None and last[0] is rows and last[1] is out.samples and last[2].layout is inputs.layout:
+            inputs.buffer[offset:] = last[2].buffer[offset:]
+            field("output_index")[:n] = out.output_index
+            if last[4]:  # some row uses logits processing
+                field("in_min_tokens")[:n] = r.processed[rows] & (out.output_index < r.min_tokens[rows])
+            self._last_sampling = (rows, out.samples, inputs, last[3], last[4])
+            return last[3]
         processed = r.processed[rows]
-        sampling = SamplingInput(
-            temperature=_pad(r.temperature[rows], s), top_k=_pad(r.top_k[rows], s), top_p=_pad(r.top_p[rows], s, 1),
-            min_p=_pad(r.min_p[rows], s), seed_hi=_pad(r.seed_hi[rows], s), seed_lo=_pad(r.seed_lo[rows], s),
-            sample_index=_pad(r.sample_index[rows], s), output_index=_pad(out.output_index, s),
-            penalty_row=_pad(np.where(processed, rows, self._scratch_row).astype(np.int32), s, self._scratch_row),
-            processed=_pad(processed, s), keep=_pad(out.samples.astype(bool), s),
-            in_min_tokens=_pad(processed & (out.output_index < r.min_tokens[rows]), s),
-            presence_penalty=_pad(r.presence[rows], s), frequency_penalty=_pad(r.frequency[rows], s),
-            repetition_penalty=_pad(r.repetition[rows], s, 1), want_logprob=_pad(r.logprobs[rows] >= 0, s),
-        )
-        want_top = bool(len(rows)) and bool((r.logprobs[rows] > 0).any())
-        self._last_sampling = (rows, out.samples, sampling, want_top)
-        return sampling, want_top
+        for name, values in (("temperature", r.temperature), ("top_k", r.top_k), ("top_p", r.top_p),
+                             ("min_p", r.min_p), ("seed_hi", r.seed_hi), ("seed_lo", r.seed_lo),
+                             ("sample_index", r.sample_index), ("presence_penalty", r.presence),
+                             ("frequency_penalty", r.frequency), ("repetition_penalty", r.repetition)):
+            field(name)[:n] = values[rows]
+        field("top_p")[n:] = 1
+        field("repetition_penalty")[n:] = 1
+        field("output_index")[:n] = out.output_index
+        penalty_row = field("penalty_row")
+        penalty_row[:n] = np.where(processed, rows, self._scratch_row)
+        penalty_row[n:] = self._scratch_row
+        field("processed")[:n] = processed
+        field("keep")[:n] = out.samples
+        field("in_min_tokens")[:n] = processed & (out.output_index < r.min_tokens[rows])
+        field("want_logprob")[:n] = r.logprobs[rows] >= 0
+        want_top = bool(n) and bool((r.logprobs[rows] > 0).any())
+        self._last_sampling = (rows, out.samples, inputs, want_top, bool(processed.any()))
+        return want_top
 
     def _take_row(self, init: RowInit) -> None:
         """A request took `init.row`: its sampling parameters, and its logits-processing table filled
@@ -355,10 +363,9 @@ class ModelRunner:
         """Build the inputs and start the step without waiting for it. `previous` is the step whose
         sampled tokens the scheduler's `token_source` points into (None: no token is on the device)."""
         t0 = time.perf_counter()
-        step, sampling, decode_only, num_top = self.prepare(out)
+        inputs, decode_only, num_top = self.prepare(out)
         t1 = time.perf_counter()
-        tokens, packed = self.run(step, sampling, decode_only, num_top,
-                                  None if previous is None else previous.tokens)
+        tokens, packed = self.run(inputs, decode_only, num_top, None if previous is None else previous.tokens)
         t2 = time.perf_counter()
         self.time_prepare += t1 - t0
         self.time_dispatch += t2 - t1
@@ -383,20 +390,15 @@ class ModelRunner:
         Runs on all-padding inputs (every write lands in the null block), so the cache is unchanged.
         """
         for t, s, b, decode_only in tqdm(shapes, desc="compiling step buckets", unit="bucket"):
-            self.run(*self.padding_inputs(t, s, b), decode_only)
+            self.run(self.padding_inputs(t, s, b), decode_only)
         jax.block_until_ready(self.cache)
 
-    def padding_inputs(self, t: int, s: int, b: int) -> tuple[StepInput, SamplingInput]:
-        """All-padding inputs of bucket (T, S, B): every write lands in the null block."""
-        zeros = lambda n: np.zeros(n, np.int32)  # noqa: E731
-        step = StepInput(
-            token_ids=zeros(t), token_source=np.full(t, -1, np.int32), positions=zeros(t), slot_mapping=zeros(t),
-            query_start_loc=zeros(s + 1), seq_lens=zeros(s), block_tables=np.zeros((s, b), np.int32),
-            logits_indices=zeros(s), num_decodes=np.int32(0),
-        )
-        return step, self._sampling_input(SchedulerOutput(), s)[0]
+    def padding_inputs(self, t: int, s: int, b: int) -> HostInputs:
+        """All-padding inputs of bucket (T, S, B): every write lands in the null block; greedy."""
+        return self.prepare(SchedulerOutput(block_tables=np.zeros((0, b), np.int32), bucket=(t, s, b)))[0]
 
     def lower(self, t: int, s: int, b: int, decode_only: bool = False) -> jax.stages.Lowered:
         """The step of bucket (T, S, B) lowered for inspection (`.compile().as_text()` is its HLO); runs nothing."""
-        return self._step_fn.lower(self._param_leaves, self.cache, self.penalties, self._no_tokens,
-                                   *pack(self.padding_inputs(t, s, b)), decode_only, 0)
+        inputs = self.padding_inputs(t, s, b)
+        return self._step_fn.lower(self._param_leaves, self.cache, self.penalties, self._no_tokens, inputs.buffer,
+                                   inputs.layout, decode_only, 0)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
@@ -58,6 +59,13 @@ class SamplingInput:
     frequency_penalty: jax.Array  # f32
     repetition_penalty: jax.Array  # f32; 1 = off
     want_logprob: jax.Array  # bool: the row's request asked for logprobs (its sampled token's logprob is returned)
+
+
+SAMPLING_DTYPES = dict(temperature=np.float32, top_k=np.int32, top_p=np.float32, min_p=np.float32,
+                       seed_hi=np.uint32, seed_lo=np.uint32, sample_index=np.int32, output_index=np.int32,
+                       penalty_row=np.int32, processed=np.bool_, keep=np.bool_, in_min_tokens=np.bool_,
+                       presence_penalty=np.float32, frequency_penalty=np.float32, repetition_penalty=np.float32,
+                       want_logprob=np.bool_)  # each `SamplingInput` field's dtype on the host
 
 
 @jax.tree_util.register_dataclass

@@ -1,21 +1,30 @@
-"""`StepInput`: the padded arrays one engine step feeds the jitted forward (see DESIGN.md).
+"""A step's inputs: `StepInput` (tokens, positions, slots, block tables) and `SamplingInput`
+(`llmjax.sampler`), written on the host into one int32 buffer (`HostInputs`) that reaches the
+device in one transfer, and read back as the two dataclasses inside the jitted step (`unpack`).
 
-All arrays are int32 (sampling arrays aside), padded to bucket sizes T (tokens), S (requests)
-and B (blocks per request). A new token that is still on the device (asynchronous scheduling)
-has a `token_source` >= 0 instead of a value in `token_ids`; the step reads it from the previous
-step's sampled tokens. Requests [0, num_decodes) have exactly one new token; padded
-requests have zero new tokens and seq_len 0; padded tokens write to the null block (slot 0..).
+All `StepInput` arrays are int32, padded to bucket sizes T (tokens), S (requests) and B (blocks
+per request). A new token that is still on the device (asynchronous scheduling) has a
+`token_source` >= 0 instead of a value in `token_ids`; the step reads it from the previous
+step's sampled tokens. Requests [0, num_decodes) have exactly one new token; padded requests
+have zero new tokens and seq_len 0; padded tokens write to the null block (slot 0..).
+
+The buffer's layout depends only on the bucket (`input_layout`: one object per bucket in a
+process, hashed and compared by its bucket, so as the step's static argument it costs a lookup).
+Each field is a run of int32 words: float32 and uint32 fields are their bits, bool fields 0 / 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from llmjax.sampler import SAMPLING_DTYPES, SamplingInput
 
 
 @jax.tree_util.register_dataclass
@@ -35,34 +44,87 @@ class StepInput:
         return dataclasses.replace(self, **changes)
 
 
-PackLayout = tuple  # (treedef, ((shape, dtype char), ...)): static, hashable
+@dataclass(frozen=True, eq=False)
+class InputLayout:
+    """Where each field lies in the buffer of bucket (T, S, B): `fields[name] = (offset, shape,
+    dtype)`, the `StepInput` fields first, then the `SamplingInput` ones from `sampling_offset`."""
+
+    bucket: tuple[int, int, int]
+    fields: dict[str, tuple[int, tuple[int, ...], np.dtype]]
+    sampling_offset: int
+    size: int
+
+    def __hash__(self) -> int:
+        return hash(self.bucket)
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, InputLayout) and self.bucket == other.bucket)
 
 
-def pack(tree) -> tuple[np.ndarray, PackLayout]:
-    """A pytree of host arrays (4-byte dtypes and bool) as one flat int32 buffer and its layout, so
-    a step's inputs reach the device in one transfer instead of one per array. `unpack` inverts it
-    inside the jitted step (slices and bit casts: free there)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    parts = [x.reshape(-1).view(np.int32) if x.dtype.itemsize == 4 else x.reshape(-1).astype(np.int32)
-             for x in leaves]
-    shapes = tuple((x.shape, x.dtype.char) for x in leaves)
-    if any(x.dtype.itemsize != 4 and x.dtype != np.bool_ for x in leaves):
-        raise TypeError(f"cannot pack {[x.dtype for x in leaves]} (4-byte dtypes and bool only)")
-    return np.concatenate(parts), (treedef, shapes)
+@functools.lru_cache(maxsize=None)
+def input_layout(t: int, s: int, b: int) -> InputLayout:
+    """The layout of bucket (T, S, B); the same object every call."""
+    shapes = dict(token_ids=(t,), token_source=(t,), positions=(t,), slot_mapping=(t,), query_start_loc=(s + 1,),
+                  seq_lens=(s,), block_tables=(s, b), logits_indices=(s,), num_decodes=())
+    specs = [(name, shapes[name], np.dtype(np.int32)) for name in (f.name for f in dataclasses.fields(StepInput))]
+    specs += [(f.name, (s,), np.dtype(SAMPLING_DTYPES[f.name])) for f in dataclasses.fields(SamplingInput)]
+    fields, offset, sampling_offset = {}, 0, 0
+    for name, shape, dtype in specs:
+        if name == "temperature":
+            sampling_offset = offset
+        fields[name] = (offset, shape, dtype)
+        offset += math.prod(shape)
+    return InputLayout((t, s, b), fields, sampling_offset, offset)
 
 
-def unpack(buffer: jax.Array, layout: PackLayout):
-    """The pytree `pack` flattened into `buffer` (traced: inside a jitted function)."""
-    treedef, shapes = layout
-    leaves, offset = [], 0
-    for shape, char in shapes:
-        size = math.prod(shape)
-        x = buffer[offset : offset + size].reshape(shape)
-        offset += size
-        dtype = np.dtype(char)
+class HostInputs:
+    """One step's inputs on the host: a zeroed int32 `buffer` of `layout.size` words, written
+    through `field` views. Owned by the step it is given to: not written once dispatched."""
+
+    __slots__ = ("layout", "buffer")
+
+    def __init__(self, layout: InputLayout):
+        self.layout = layout
+        self.buffer = np.zeros(layout.size, np.int32)
+
+    def field(self, name: str) -> np.ndarray:
+        """A writable view of one field, in its shape; bool fields are int32 0 / 1."""
+        offset, shape, dtype = self.layout.fields[name]
+        words = self.buffer[offset : offset + math.prod(shape)]
+        if dtype != np.int32 and dtype != np.bool_:
+            words = words.view(dtype)
+        return words.reshape(shape)
+
+    @classmethod
+    def pack(cls, step: StepInput, sampling: SamplingInput) -> HostInputs:
+        """The buffer of given host arrays (their shapes give the bucket)."""
+        t, (s, b) = len(step.token_ids), np.shape(step.block_tables)
+        inputs = cls(input_layout(t, s, b))
+        for part in (step, sampling):
+            for f in dataclasses.fields(part):
+                inputs.field(f.name)[...] = getattr(part, f.name)
+        return inputs
+
+    def step_input(self) -> StepInput:
+        """The `StepInput` fields as views (to read)."""
+        return StepInput(**{f.name: self.field(f.name) for f in dataclasses.fields(StepInput)})
+
+    def sampling_input(self) -> SamplingInput:
+        """The `SamplingInput` fields as arrays of their dtypes (to read)."""
+        return SamplingInput(**{f.name: self.field(f.name).astype(SAMPLING_DTYPES[f.name])
+                                for f in dataclasses.fields(SamplingInput)})
+
+
+def unpack(buffer: jax.Array, layout: InputLayout) -> tuple[StepInput, SamplingInput]:
+    """The `StepInput` and `SamplingInput` in `buffer` (traced: inside a jitted function; slices and
+    bit casts, free there)."""
+    values = {}
+    for name, (offset, shape, dtype) in layout.fields.items():
+        x = buffer[offset : offset + math.prod(shape)].reshape(shape)
         if dtype == np.bool_:
             x = x != 0
         elif dtype != np.int32:
-            x = jax.lax.bitcast_convert_type(x, dtype)
-        leaves.append(x)
-    return jax.tree.unflatten(treedef, leaves)
+            x = jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
+        values[name] = x
+    step = StepInput(**{f.name: values[f.name] for f in dataclasses.fields(StepInput)})
+    return step, SamplingInput(**{f.name: values[f.name] for f in dataclasses.fields(SamplingInput)})

@@ -54,23 +54,38 @@ def test_token_slice_equals_slicing_the_whole_sequence():
             assert request.token_slice(start, end) == request.all_token_ids[start:end]
 
 
-def test_packed_inputs_round_trip_bit_for_bit():
-    """`pack` on the host, `unpack` inside jit: every leaf back with its shape, dtype and bits
-    (NaN payloads, -0.0, the top bit of uint32 included); other dtypes are refused."""
-    from llmjax.step_input import pack, unpack
+def test_host_inputs_round_trip_bit_for_bit():
+    """Fields written into a `HostInputs` buffer on the host, `unpack` inside jit: every field back
+    with its shape, dtype and bits (NaN payloads, -0.0, the top bit of uint32 included); fields do
+    not overlap and fill the buffer; one layout object per bucket."""
+    import dataclasses
 
+    from llmjax.sampler import SAMPLING_DTYPES, SamplingInput
+    from llmjax.step_input import HostInputs, StepInput, input_layout, unpack
+
+    t, s, b = 6, 4, 3
     rng = np.random.default_rng(0)
-    floats = rng.standard_normal(7).astype(np.float32)
+    ints = lambda *shape: rng.integers(-2**31, 2**31, shape, dtype=np.int32)  # noqa: E731
+    step = StepInput(token_ids=ints(t), token_source=ints(t), positions=ints(t), slot_mapping=ints(t),
+                     query_start_loc=ints(s + 1), seq_lens=ints(s), block_tables=ints(s, b), logits_indices=ints(s),
+                     num_decodes=np.int32(-7))
+    floats = rng.standard_normal(s).astype(np.float32)
     floats[:3] = [np.float32("nan"), -0.0, np.inf]
-    tree = {"i": rng.integers(-2**31, 2**31, (3, 4), dtype=np.int32), "f": floats,
-            "u": np.array([0, 2**31 + 5, 2**32 - 1], np.uint32), "b": np.array([True, False, True]),
-            "scalar": np.int32(-7)}
-    buffer, layout = pack(tree)
-    assert buffer.dtype == np.int32 and buffer.ndim == 1
-    back = jax.jit(unpack, static_argnums=1)(buffer, layout)
-    for key, value in tree.items():
-        got = np.asarray(back[key])
-        assert got.shape == np.shape(value) and got.dtype == np.asarray(value).dtype, key
-        assert got.tobytes() == np.asarray(value).tobytes(), key
-    with pytest.raises(TypeError):
-        pack({"half": np.zeros(2, np.float16)})
+    sampling = {}
+    for f in dataclasses.fields(SamplingInput):
+        dtype = np.dtype(SAMPLING_DTYPES[f.name])
+        sampling[f.name] = (floats if dtype == np.float32 else np.array([0, 2**31 + 5, 2**32 - 1, 9], np.uint32)
+                            if dtype == np.uint32 else rng.integers(0, 2, s).astype(bool) if dtype == np.bool_
+                            else ints(s))
+    inputs = HostInputs.pack(step, SamplingInput(**sampling))
+    assert inputs.layout is input_layout(t, s, b) and inputs.buffer.dtype == np.int32
+    assert inputs.layout.size == inputs.buffer.size == sum(np.prod(shape, dtype=int) for _, shape, _ in
+                                                           inputs.layout.fields.values())
+    back_step, back_sampling = jax.jit(unpack, static_argnums=1)(inputs.buffer, inputs.layout)
+    expected = {**{f.name: getattr(step, f.name) for f in dataclasses.fields(StepInput)}, **sampling}
+    got = {**{f.name: getattr(back_step, f.name) for f in dataclasses.fields(StepInput)},
+           **{f.name: getattr(back_sampling, f.name) for f in dataclasses.fields(SamplingInput)}}
+    for name, value in expected.items():
+        value, back = np.asarray(value), np.asarray(got[name])
+        assert back.shape == value.shape and back.dtype == value.dtype, name
+        assert back.tobytes() == value.tobytes(), name
