@@ -93,7 +93,7 @@ def decoding_engine(n: int, async_scheduling: bool, output_kind: str):
 
 
 def time_runtime_calls(engine) -> list[float]:
-    """Wrap the runner's jitted call (`run`, which also packs its inputs) and its `fetch` so that the
+    """Wrap the runner's jitted call (`run`) and its `fetch` so that the
     engine thread's CPU time inside them adds up in the returned one-element list: the part of the
     host's CPU time that JAX's runtime spends, as against the engine's own Python."""
     spent = [0.0]
@@ -309,7 +309,7 @@ def main() -> None:
         "async wall) / sync host, per pair of neighbouring blocks, median and range. Host thread CPU: the engine "
         "thread's own CPU time per step (`time.thread_time`; the wall-clock phases also count time in which "
         "XLA's threads held the two shared cores), and the part of it spent inside the runner's jitted call "
-        "(packing its inputs included) and its fetch: JAX's runtime, as against the engine's own Python (from "
+        "and its fetch: JAX's runtime, as against the engine's own Python (from "
         f"one more block of {args.steps} steps per engine with those calls timed).", "",
         *lines, "", *findings, "",
         "## What the device step does to the host's phases", "",
