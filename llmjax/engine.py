@@ -110,7 +110,9 @@ class _Parent:
 
     `quiet`: one sample, FINAL_ONLY, no logprobs, no stop strings. Once it has its first token, a
     step that gives it a token and does not end it only records the token's time (`token_times`),
-    so a steady decode step touches nothing else of it."""
+    so a steady decode step touches nothing else of it. `plain_stream`: one sample, DELTA, no
+    logprobs, no stop strings: such a step makes its text and its delta output directly
+    (`LLMEngine._plain_delta`), the general path's result without its checks."""
 
     request_id: str
     prompt: str | None
@@ -121,6 +123,7 @@ class _Parent:
     metrics: RequestMetrics  # live: every delta output refers to it; complete once the request finishes
     held: list[Request] = field(default_factory=list)  # samples not yet given to the scheduler
     quiet: bool = False
+    plain_stream: bool = False
     finished: bool = False  # its final output is out (it left `LLMEngine._parents`)
 
 
@@ -208,8 +211,9 @@ class LLMEngine:
         states = [_SequenceState(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
                   for _ in children]
         # nothing above changed the engine; from here on nothing raises
-        quiet = params.n == 1 and params.output_kind is not DELTA and params.logprobs is None and not params.stop
-        parent = _Parent(request_id, text, ids, params, children, states, RequestMetrics(arrival), quiet=quiet)
+        plain = params.n == 1 and params.logprobs is None and not params.stop
+        parent = _Parent(request_id, text, ids, params, children, states, RequestMetrics(arrival),
+                         quiet=plain and params.output_kind is not DELTA, plain_stream=plain and params.output_kind is DELTA)
         for child in children:
             child.owner = parent
         self._parents[request_id] = parent
@@ -321,6 +325,9 @@ class LLMEngine:
             if parent.finished:  # its request failed earlier in this step
                 continue
             try:
+                if parent.plain_stream and request.status is _RUNNING and parent.metrics.token_times:
+                    outputs.append(self._plain_delta(parent, request, now))
+                    continue
                 self._after_token(request, parent, result, i, now)
             except Exception as exc:  # e.g. the detokenizer on this request's token: fail it alone
                 log.exception("request %s failed", parent.request_id)
@@ -380,6 +387,20 @@ class LLMEngine:
             for sibling in parent.held:
                 self.scheduler.add(sibling)
             parent.held = []
+
+    @staticmethod
+    def _plain_delta(parent: _Parent, request: Request, now: float) -> RequestOutput:
+        """The delta output of a `plain_stream` request that got a token and goes on, past its first
+        token: what `_after_token` then `_output` make of it, without their checks."""
+        parent.metrics.token_times.append(now)
+        parent.metrics.num_generation_tokens = n = len(output_ids := request.output_token_ids)
+        state = parent.texts[0]
+        state.detokenize(output_ids)
+        text, state.unreturned = state.unreturned, ""
+        start, state.returned_tokens = state.returned_tokens, n
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                             [CompletionOutput(0, text, output_ids[start:])], False, parent.metrics,
+                             request.num_cached_tokens)
 
     def _check_stop_strings(self, request: Request, state: _SequenceState, new_chars: int) -> None:
         """A stop string that ends in the new text (its last `new_chars` characters) ends the request

@@ -101,10 +101,11 @@ def test_a_tokenizer_that_raises_on_one_prompt_fails_that_request_alone(engine, 
 
 
 @pytest.mark.parametrize("output_kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
-@pytest.mark.parametrize("failing_token", [1, GREEDY.max_tokens])  # the last one also ends the request
+@pytest.mark.parametrize("failing_token", [1, 3, GREEDY.max_tokens])  # the last one also ends the request
 def test_a_detokenizer_that_raises_on_one_token_fails_that_request_alone(engine, expected, monkeypatch, output_kind,
                                                                         failing_token):
-    """Streamed: the text is made every step; FINAL_ONLY: once, when the request finishes."""
+    """Streamed: the text is made every step (the first token's by the general path, a later one's
+    by the plain-stream path); FINAL_ONLY: once, when the request finishes."""
     params = dataclasses.replace(GREEDY, output_kind=output_kind)
     ids = [engine.add_request(p, params) for p in PROMPTS]
     victim = engine._parents[ids[1]].texts[0].detokenizer
