@@ -163,9 +163,11 @@ def load(d: dict, n: Numbers) -> str:
 
 
 def kv_bookkeeping(d: dict, n: Numbers) -> str:
-    s = d["decode_step_us"]
+    s, each = d["decode_step_us"], d["decode_step_grow_each_us"]
     return (f"KV bookkeeping of one decode step for {n(d['args']['num_running'], 'd')} requests: "
-            f"{n(s['median'], '.0f')} µs median, {n(s['mean'], '.0f')} µs mean")
+            f"{n(s['median'], '.0f')} µs median, {n(s['mean'], '.0f')} µs mean by one `grow` a request; "
+            f"{n(each['median'], '.0f')} µs median, {n(each['mean'], '.0f')} µs mean by one `grow_each` "
+            "given the same tuple (the scheduler's steady decode step)")
 
 
 def kernel_bench(d: dict, n: Numbers) -> str:
