@@ -392,12 +392,13 @@ class LLMEngine:
     def _plain_delta(parent: _Parent, request: Request, now: float) -> RequestOutput:
         """The delta output of a `plain_stream` request that got a token and goes on, past its first
         token: what `_after_token` then `_output` make of it, without their checks."""
-        parent.metrics.token_times.append(now)
-        parent.metrics.num_generation_tokens = n = len(output_ids := request.output_token_ids)
-        state = parent.texts[0]
+        output_ids = request.output_token_ids
+        metrics, state = parent.metrics, parent.texts[0]
+        metrics.token_times.append(now)
+        metrics.num_generation_tokens = len(output_ids)
         state.detokenize(output_ids)
         text, state.unreturned = state.unreturned, ""
-        start, state.returned_tokens = state.returned_tokens, n
+        start, state.returned_tokens = state.returned_tokens, len(output_ids)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
                              [CompletionOutput(0, text, output_ids[start:])], False, parent.metrics,
                              request.num_cached_tokens)

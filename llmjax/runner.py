@@ -26,6 +26,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +169,17 @@ class _RowParams:
         self.logprobs[r] = -1 if p.logprobs is None else p.logprobs
 
 
+class _SamplingWritten(NamedTuple):
+    """What `ModelRunner._write_sampling` wrote last: for the rows array `rows` and `samples` of a
+    step, into `inputs`; whether a row wants top logprobs, whether a row uses logits processing."""
+
+    rows: np.ndarray
+    samples: np.ndarray
+    inputs: HostInputs
+    want_top: bool
+    processing: bool
+
+
 @functools.lru_cache(maxsize=256)
 def _query_starts(n: int, s: int) -> np.ndarray:
     """`[S+1]`: the query start of each of n requests of one new token each, padded to S (read-only)."""
@@ -203,8 +215,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.penalties = self._empty_penalties()
         self._rows = _RowParams(config.max_num_seqs)
-        # the last step's (rows, samples, inputs, wants top logprobs, uses logits processing): see `_write_sampling`
-        self._last_sampling: tuple[np.ndarray, np.ndarray, HostInputs, bool, bool] | None = None
+        self._last_sampling: _SamplingWritten | None = None
         self._scratch_row = config.max_num_seqs
         self._no_tokens = self._replicated(np.zeros(config.max_num_seqs, np.int32))  # no previous step
         self.num_compiles = 0
@@ -286,13 +297,14 @@ class ModelRunner:
         r, rows, n = self._rows, out.rows, len(out.requests)
         field, offset = inputs.field, inputs.layout.sampling_offset
         last = self._last_sampling
-        if last is not None and last[0] is rows and last[1] is out.samples and last[2].layout is inputs.layout:
-            inputs.buffer[offset:] = last[2].buffer[offset:]
+        if last is not None and last.rows is rows and last.samples is out.samples and \
+                last.inputs.layout is inputs.layout:
+            inputs.buffer[offset:] = last.inputs.buffer[offset:]
             field("output_index")[:n] = out.output_index
-            if last[4]:  # some row uses logits processing
+            if last.processing:
                 field("in_min_tokens")[:n] = r.processed[rows] & (out.output_index < r.min_tokens[rows])
-            self._last_sampling = (rows, out.samples, inputs, last[3], last[4])
-            return last[3]
+            self._last_sampling = last._replace(inputs=inputs)
+            return last.want_top
         processed = r.processed[rows]
         for name, values in (("temperature", r.temperature), ("top_k", r.top_k), ("top_p", r.top_p),
                              ("min_p", r.min_p), ("seed_hi", r.seed_hi), ("seed_lo", r.seed_lo),
@@ -310,7 +322,7 @@ class ModelRunner:
         field("in_min_tokens")[:n] = processed & (out.output_index < r.min_tokens[rows])
         field("want_logprob")[:n] = r.logprobs[rows] >= 0
         want_top = bool(n) and bool((r.logprobs[rows] > 0).any())
-        self._last_sampling = (rows, out.samples, inputs, want_top, bool(processed.any()))
+        self._last_sampling = _SamplingWritten(rows, out.samples, inputs, want_top, bool(processed.any()))
         return want_top
 
     def _take_row(self, init: RowInit) -> None:

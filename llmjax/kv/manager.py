@@ -323,7 +323,7 @@ class KVCacheManager:
         assert self._num_seq_tokens == sum(s.num_tokens for s in self._seqs.values()), "token counter drifted"
         if self._group is not None:
             group = self._group
-            assert all(self._seqs.get(r) is seq for r, seq in zip(group.ids, group.seqs)), "grow_each's group is stale"
+            assert all(self._seqs.get(r) is seq for r, seq in zip(group.ids, group.seqs)), "grow_each's group names a request it no longer holds"
             assert group.num_tokens.tolist() == [seq.num_tokens for seq in group.seqs], "group's tokens drifted"
             assert group.capacity.tolist() == [seq.capacity for seq in group.seqs], "group's capacities drifted"
         if self.prefix_cache:
