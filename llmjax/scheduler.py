@@ -215,20 +215,20 @@ class Scheduler:
         if self._last_decodes is None:
             return None
         last, keys = self._last_decodes
-        requests, before = last.requests, np.arange(len(last.requests), dtype=np.int32)  # index in `last`
+        requests, before = last.requests, None  # the index in `last` of each request that stays (None: all stay)
         if self._left:
             keep = np.ones(len(requests), bool)
             keep[self._left] = False
-            before = before[keep]
+            before = np.flatnonzero(keep).astype(np.int32)
             requests, keys = [requests[i] for i in before.tolist()], tuple([keys[i] for i in before.tolist()])
         n, config = len(requests), self.config
         if n == 0 or n != len(self.running) or config.max_num_batched_tokens < n:
             return None
         if self.waiting and config.max_num_batched_tokens > n and n < config.max_num_seqs:
             return None  # a waiting request may be admitted
-        pick = (lambda x: x[before]) if self._left else (lambda x: x)  # noqa: E731
+        pick = (lambda x: x) if before is None else (lambda x: x[before])  # noqa: E731
         output_index, max_output = pick(last.output_index) + 1, pick(last.max_output)
-        headroom = int((max_output - output_index).min()) - 1 if self._left else last.headroom - 1
+        headroom = last.headroom - 1 if before is None else int((max_output - output_index).min()) - 1
         if headroom < 0:  # one has sampled its last token: the general path skips it (done when that arrives)
             return None
         start = pick(last.num_computed) + 1
@@ -240,17 +240,22 @@ class Scheduler:
         for request in requests:
             request.num_computed_tokens += 1
             request.num_pending += 1
-        if self._left:  # the others moved up; without departures each is already at its index
+        if before is not None:  # the others moved up; without departures each is already at its index
             for i, request in enumerate(requests):
                 request.inflight_index = i
         stop_ids = pick(last.stop_ids)
         out = SchedulerOutput(requests, num_new_tokens=pick(last.num_new_tokens), num_computed=start,
                               rows=pick(last.rows), samples=pick(last.samples), output_index=output_index,
                               max_output=max_output, stop_ids=stop_ids, num_decodes=n, num_tokens=n, headroom=headroom,
-                              has_stop_ids=bool(stop_ids.any()) if self._left else last.has_stop_ids)
+                              has_stop_ids=last.has_stop_ids if before is None else bool(stop_ids.any()))
         out.bucket = self.buckets.shape(n, n, -(-(int(start.max()) + 1) // config.block_size))
-        if self.build_step_inputs:  # a token still on the device is at its index in the last step
-            self._step_inputs(out, np.full(n, on_device), before)
+        if self.build_step_inputs:  # as `_step_inputs` would: a token on the device is at its index in the last step
+            if on_device:
+                out.token_ids = np.zeros(n, np.int32)
+                out.token_source = np.arange(n, dtype=np.int32) if before is None else before
+            else:
+                out.token_ids, out.token_source = self._last_token[out.rows], np.full(n, -1, np.int32)
+            self._step_tables(out)
         out.running_version = self._running_version
         self._last_decodes, self._left = (out, keys), []
         return out
@@ -396,11 +401,10 @@ class Scheduler:
             self._last_decodes, self._left = (out, tuple([r.key for r in out.requests])), []
 
     def _step_inputs(self, out: SchedulerOutput, pending: np.ndarray, inflight_index: np.ndarray) -> None:
-        """The new tokens and the block tables, padded to the bucket's B. A decode's token is its row's
-        last token, or, still on the device (`pending`), its index in the previous step's output; a
+        """The new tokens and the block tables (`_step_tables`). A decode's token is its row's last
+        token, or, still on the device (`pending`), its index in the previous step's output; a
         one-token step that is not at the end of the request (a prefill chunk cut to the last unit of
-        budget) reads its token. Rows whose table grew or changed are rewritten from the KV manager;
-        the others are read as kept."""
+        budget) reads its token."""
         d, rows, start, requests = out.num_decodes, out.rows, out.num_computed, out.requests
         source = np.full(out.num_tokens, -1, np.int32)
         tokens = np.zeros(out.num_tokens, np.int32)
@@ -412,7 +416,13 @@ class Scheduler:
             tokens[d:] = np.concatenate([r.token_slice(s, s + k) for r, s, k in
                                          zip(requests[d:], start[d:].tolist(), out.num_new_tokens[d:].tolist())])
         out.token_ids, out.token_source = tokens, source
-        num_blocks = -(-(start + out.num_new_tokens) // self.config.block_size)
+        self._step_tables(out)
+
+    def _step_tables(self, out: SchedulerOutput) -> None:
+        """The block tables, padded to the bucket's B. Rows whose table grew or changed are rewritten
+        from the KV manager; the others are read as kept."""
+        rows, requests = out.rows, out.requests
+        num_blocks = -(-(out.num_computed + out.num_new_tokens) // self.config.block_size)
         tables, table_len, stale = self._tables, self._table_len, self._table_stale
         for i in np.flatnonzero((num_blocks != table_len[rows]) | stale[rows]).tolist():
             table, row = self.kv.block_table(requests[i].key), int(rows[i])

@@ -47,10 +47,13 @@ class StepInput:
 @dataclass(frozen=True, eq=False)
 class InputLayout:
     """Where each field lies in the buffer of bucket (T, S, B): `fields[name] = (offset, shape,
-    dtype)`, the `StepInput` fields first, then the `SamplingInput` ones from `sampling_offset`."""
+    dtype)`, the `StepInput` fields first, then the `SamplingInput` ones from `sampling_offset`;
+    `words[name] = (offset, end)` for the fields whose host view is a plain slice of the buffer
+    (one-dimensional, int32 or bool)."""
 
     bucket: tuple[int, int, int]
     fields: dict[str, tuple[int, tuple[int, ...], np.dtype]]
+    words: dict[str, tuple[int, int]]
     sampling_offset: int
     size: int
 
@@ -68,13 +71,15 @@ def input_layout(t: int, s: int, b: int) -> InputLayout:
                   seq_lens=(s,), block_tables=(s, b), logits_indices=(s,), num_decodes=())
     specs = [(name, shapes[name], np.dtype(np.int32)) for name in (f.name for f in dataclasses.fields(StepInput))]
     specs += [(f.name, (s,), np.dtype(SAMPLING_DTYPES[f.name])) for f in dataclasses.fields(SamplingInput)]
-    fields, offset, sampling_offset = {}, 0, 0
+    fields, words, offset, sampling_offset = {}, {}, 0, 0
     for name, shape, dtype in specs:
         if name == "temperature":
             sampling_offset = offset
         fields[name] = (offset, shape, dtype)
+        if len(shape) == 1 and dtype in (np.int32, np.bool_):
+            words[name] = (offset, offset + shape[0])
         offset += math.prod(shape)
-    return InputLayout((t, s, b), fields, sampling_offset, offset)
+    return InputLayout((t, s, b), fields, words, sampling_offset, offset)
 
 
 class HostInputs:
@@ -89,6 +94,9 @@ class HostInputs:
 
     def field(self, name: str) -> np.ndarray:
         """A writable view of one field, in its shape; bool fields are int32 0 / 1."""
+        plain = self.layout.words.get(name)
+        if plain is not None:
+            return self.buffer[plain[0] : plain[1]]
         offset, shape, dtype = self.layout.fields[name]
         words = self.buffer[offset : offset + math.prod(shape)]
         if dtype != np.int32 and dtype != np.bool_:
