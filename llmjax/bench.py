@@ -13,13 +13,14 @@ Workloads (`--dataset`):
 
 Arrivals: a Poisson process at `--request-rate` (inf: all at once), and at most
 `--max-concurrency` requests in flight. Every request is a streamed `/v1/completions` call
-through httpx with `ignore_eos`, so output lengths are as drawn; prompts are token-id lists, or
-text (`--prompt-format text`, the ids rendered by the server's `/detokenize`).
+through httpx with `ignore_eos`, so output lengths are as drawn, each on a connection of its own;
+prompts are token-id lists, or text (`--prompt-format text`, the ids rendered by the server's
+`/detokenize`).
 
 Reports TTFT, TPOT (per output token after the first), ITL (between streamed chunks) and
 end-to-end latency (mean, p50, p90, p99, in ms), request and token throughput, and goodput
 (requests per second meeting every `--goodput` SLO, e.g. `--goodput ttft:500 tpot:50`).
-Prints a table; `--result-file` writes the same as JSON.
+Prints a table (and the distinct errors of failed requests); `--result-file` writes the same as JSON.
 """
 
 from __future__ import annotations
@@ -250,6 +251,7 @@ def format_table(summary: dict) -> str:
     for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E")):
         s = summary[key]
         lines.append(f"{label:<10}{s['mean']:>10.2f}{s['p50']:>10.2f}{s['p90']:>10.2f}{s['p99']:>10.2f}")
+    lines += [f"failed: {error}" for error in summary["errors"]]
     return "\n".join(lines)
 
 
@@ -265,7 +267,10 @@ def parse_slos(items: list[str]) -> dict[str, float]:
 
 async def _bench(args: argparse.Namespace) -> dict:
     slos = parse_slos(args.goodput)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # A connection per request: reusing one the server is about to close as idle (uvicorn's 5 s
+    # keep-alive) fails the request with a ReadError, which a client that lags behind its 256 streams
+    # runs into after a wave of requests that finish in the same step.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=args.base_url, timeout=httpx.Timeout(None), limits=limits) as client:
         card = (await client.get("/v1/models")).json()["data"][0]
         args.model = args.model or card["id"]

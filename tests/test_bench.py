@@ -1,0 +1,79 @@
+"""`llmjax bench` end to end against a real server on a tiny random model: each dataset sends what
+its arguments ask for (counts and lengths follow from them), and failed requests are counted and
+shown with their errors."""
+
+from __future__ import annotations
+
+import argparse
+
+import httpx
+import pytest
+
+from llmjax.bench import add_bench_args, run_bench
+from llmjax.serve.api import build_app
+from llmjax.serve.metrics import parse_metrics
+from tests.engine_helpers import tiny_engine
+from tests.server_helpers import running_server
+
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    engine = tiny_engine(max_num_seqs=8, kv_cache_memory_bytes=4 << 20, max_model_len=MAX_MODEL_LEN)
+    with running_server(build_app(engine, "tiny")) as url:
+        yield url
+
+
+def bench(base_url: str, *argv: str) -> dict:
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    return run_bench(parser.parse_args(["--base-url", base_url, *argv]))
+
+
+def server_counters(base_url: str) -> dict[str, float]:
+    return parse_metrics(httpx.get(f"{base_url}/metrics", timeout=30).text)
+
+
+def test_random_dataset_sends_the_lengths_it_was_given(base_url):
+    before = server_counters(base_url)
+    summary = bench(base_url, "--num-prompts", "6", "--random-input-len", "9", "--random-output-len", "5",
+                    "--max-concurrency", "3", "--seed", "1")
+    after = server_counters(base_url)
+    assert (summary["completed"], summary["failed"], summary["errors"]) == (6, 0, [])
+    assert summary["total_input_tokens"] == 6 * 9
+    assert summary["total_output_tokens"] == 6 * 5
+    generated = after["llmjax:generation_tokens_total"] - before["llmjax:generation_tokens_total"]
+    assert generated == 6 * 5
+    ttft, e2el, tpot = summary["ttft_ms"], summary["e2el_ms"], summary["tpot_ms"]
+    assert 0 < ttft["p50"] <= e2el["p50"] and tpot["p50"] > 0
+    assert summary["itl_ms"]["p50"] > 0
+
+
+def test_prefix_dataset_shares_each_groups_prompt_head(base_url):
+    # One request at a time: every request after its group's first finds the group's prefix (4
+    # blocks of 8 tokens) in the prefix cache.
+    before = server_counters(base_url)
+    summary = bench(base_url, "--dataset", "prefix", "--num-prompts", "6", "--prefix-groups", "2",
+                    "--prefix-len", "32", "--random-input-len", "8", "--random-output-len", "2",
+                    "--max-concurrency", "1", "--seed", "2")
+    after = server_counters(base_url)
+    assert (summary["completed"], summary["failed"]) == (6, 0)
+    assert summary["total_input_tokens"] == 6 * (32 + 8)
+    hits = after["llmjax:prefix_cache_hits_total"] - before["llmjax:prefix_cache_hits_total"]
+    assert hits >= (6 - 2) * 32
+
+
+def test_multiturn_dataset_runs_every_turn_on_text_prompts(base_url):
+    summary = bench(base_url, "--dataset", "multiturn", "--num-prompts", "2", "--turns", "3",
+                    "--random-input-len", "6", "--random-output-len", "3", "--seed", "3")
+    assert (summary["completed"], summary["failed"]) == (2 * 3, 0)
+    assert summary["total_output_tokens"] == 2 * 3 * 3
+
+
+def test_failed_requests_are_counted_and_their_errors_shown(base_url, capsys):
+    summary = bench(base_url, "--model", "no-such-model", "--num-prompts", "3", "--random-input-len", "4",
+                    "--random-output-len", "2")
+    assert (summary["completed"], summary["failed"]) == (0, 3)
+    assert len(summary["errors"]) == 1 and summary["errors"][0].startswith("HTTP 404")
+    assert f"failed: {summary['errors'][0]}" in capsys.readouterr().out
