@@ -48,6 +48,9 @@ def measure(replay, label: str, budget: int) -> dict:
     itl = np.concatenate([np.diff(t.token_times)[(np.array(t.token_times[1:]) >= window[0])
                                                  & (np.array(t.token_times[1:]) <= window[1])]
                           for t in replay.timings if t.request_id.startswith("dec")])
+    if not itl.size:
+        raise RuntimeError(f"{label}: no decode token fell while the long prompts were served (the decodes "
+                           "finished first); give the decodes more output tokens")
     ttft = np.array([t.ttft for t in longs]) * 1e3
     return {"budget": label, "tokens": budget, "ttft_mean_ms": ttft.mean(), "ttft_p99_ms": np.percentile(ttft, 99),
             "itl_p50_ms": np.percentile(itl, 50) * 1e3, "itl_p99_ms": np.percentile(itl, 99) * 1e3,
@@ -101,7 +104,7 @@ def main() -> None:
     if args.quick:
         args.budgets, args.sim_budgets = "64", "256,1024"
     out = results_dir(args.quick)
-    cpu_decode_out = 100 if args.quick else 700
+    cpu_decode_out = 400 if args.quick else 700  # enough that the decodes outlast the long prompts' arrivals
     budgets = [int(b) for b in args.budgets.split(",")]
     sim_budgets = [int(b) for b in args.sim_budgets.split(",")]
 

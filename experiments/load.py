@@ -249,7 +249,9 @@ class LoadClient:
 async def drive(url: str, clients: int, duration: float, seed: int, max_model_len: int, desc: str,
                 kill_after: float | None = None, kill=None) -> dict:
     stats = {"requests": Counter(), "failures": [], "interrupted": [], "bad_errors": [], "ttft": [], "e2e": []}
-    limits = httpx.Limits(max_connections=clients * 2)
+    # A connection per request, as `llmjax bench` opens them: a pooled one that the router closes as
+    # idle while a client reuses it would fail a valid request with a ReadError.
+    limits = httpx.Limits(max_connections=clients * 2, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
         start = time.monotonic()
         deadline = start + duration

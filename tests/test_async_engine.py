@@ -1,11 +1,12 @@
-"""AsyncEngine's delivery: each stream gets its outputs in order, and the loop thread wakes an
-event loop once per step for all of that step's outputs (not once per output)."""
+"""AsyncEngine's delivery: each stream gets its outputs in order, the loop thread wakes an event
+loop once per step for all of that step's outputs (not once per output), and a stream merges the
+deltas its consumer has not read yet."""
 
 import asyncio
 
-from llmjax.outputs import OutputAccumulator
+from llmjax.outputs import CompletionOutput, OutputAccumulator, RequestMetrics, RequestOutput
 from llmjax.serve import async_engine
-from llmjax.serve.async_engine import AsyncEngine
+from llmjax.serve.async_engine import AsyncEngine, OutputStream
 from tests.engine_helpers import GREEDY, run_to_completion, tiny_engine
 
 PROMPTS = [[5 + i, 17, 42 + i, 9] for i in range(8)]
@@ -39,3 +40,69 @@ def test_streams_get_their_outputs_with_one_wake_up_per_step(monkeypatch):
     assert got == expected
     assert sum(wake_ups) == sum(len(ids) for ids in expected)  # one delta per token, each delivered once
     assert len(wake_ups) <= engine.engine.num_steps < sum(wake_ups)  # batched: fewer wake-ups than outputs
+
+
+def _delta(request_id: str, text: str, token_ids: list[int], finish_reason: str | None = None,
+           error: str | None = None) -> RequestOutput:
+    done = finish_reason is not None
+    return RequestOutput(request_id, None, [1], [CompletionOutput(0, text, token_ids, finish_reason=finish_reason)],
+                         done, RequestMetrics(0.0), error=error)
+
+
+def _read(stream: OutputStream, n: int) -> list[tuple]:
+    """The next `n` outputs of `stream` as (request id, text, token ids, finished, error)."""
+
+    async def take():
+        got, outputs = [], aiter(stream)
+        for _ in range(n):
+            o = await anext(outputs)
+            got.append((o.request_id, o.outputs[0].text, o.outputs[0].token_ids, o.finished, o.error))
+        return got
+
+    return asyncio.run(take())
+
+
+def test_a_stream_merges_the_deltas_its_consumer_has_not_read():
+    stream = OutputStream(engine=None)
+    stream.unfinished = {"a", "b"}
+    stream.put(_delta("a", "x", [5]))
+    assert _read(stream, 1) == [("a", "x", [5], False, None)]  # read: later deltas start a new output
+    for delta in (_delta("a", "y", [6]), _delta("b", "p", [9]), _delta("a", "z", [7]),
+                  _delta("b", "q", [10], "length"), _delta("a", "!", [8], "stop")):
+        stream.put(delta)
+    assert _read(stream, 2) == [("a", "yz!", [6, 7, 8], True, None), ("b", "pq", [9, 10], True, None)]
+    assert not stream.unfinished
+
+
+def test_a_stream_never_merges_an_error_into_the_output_before_it():
+    stream = OutputStream(engine=None)
+    stream.unfinished = {"a"}
+    stream.put(_delta("a", "x", [5]))
+    stream.put(_delta("a", "", [], "error", error="RuntimeError: boom"))
+    assert _read(stream, 2) == [("a", "x", [5], False, None), ("a", "", [], True, "RuntimeError: boom")]
+
+
+def test_a_consumer_that_falls_behind_reads_fewer_outputs_with_every_token():
+    [reference] = run_to_completion(tiny_engine(), [PROMPTS[0]])
+    engine = AsyncEngine(tiny_engine())
+    engine.start()
+
+    async def read(request_id: str, lag_s: float) -> list[RequestOutput]:
+        stream = engine.open_stream()
+        await stream.add(PROMPTS[0], GREEDY, request_id)
+        outputs = []
+        async for out in stream:
+            outputs.append(out)
+            if len(outputs) == 1:
+                await asyncio.sleep(lag_s)  # the engine makes the other tokens meanwhile
+        return outputs
+
+    try:
+        asyncio.run(read("warm-up", 0.0))  # compiles the steps of one request
+        outputs = asyncio.run(read("r", 1.0))
+    finally:
+        engine.shutdown()
+    tokens = [t for o in outputs for t in o.outputs[0].token_ids]
+    assert tokens == reference.outputs[0].token_ids
+    assert "".join(o.outputs[0].text for o in outputs) == reference.outputs[0].text
+    assert len(outputs) < len(tokens) and outputs[-1].finished and not any(o.finished for o in outputs[:-1])

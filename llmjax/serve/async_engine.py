@@ -5,8 +5,10 @@ Threads and ownership:
   thread-safe command queue between steps, steps while any request is unfinished, and when idle
   blocks on the command queue (no spinning).
 - Handlers on the asyncio event loop submit commands (`call`, `abort`) and read their requests'
-  outputs from an `OutputStream`, an asyncio queue the loop thread fills with
-  `loop.call_soon_threadsafe`, once per event loop per step for all of that step's outputs.
+  outputs from an `OutputStream`, which the loop thread fills through `loop.call_soon_threadsafe`,
+  once per event loop per step for all of that step's outputs. A stream merges a request's new
+  delta into its output still waiting to be read, so a consumer that falls behind reads one output
+  per request with every new token.
 - `stats` is an immutable snapshot the loop thread replaces after every step and when idle;
   any thread may read it (the Prometheus collector does).
 - `on_finished(output)` runs on the loop thread for each finished request (metrics observe it).
@@ -25,6 +27,7 @@ runs once on the loop thread (the server uses it to exit, so a supervisor restar
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import queue
@@ -39,10 +42,10 @@ from llmjax.sampling_params import SamplingParams, SamplingParamsError
 log = logging.getLogger(__name__)
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
-    """On an event loop: put each item into its queue, in order."""
-    for queue_, item in batch:
-        queue_.put_nowait(item)
+def _put_all(batch: list[tuple[OutputStream, RequestOutput]]) -> None:
+    """On an event loop: put each output into its stream, in order."""
+    for stream, output in batch:
+        stream.put(output)
 
 STALL_WAIT_S = 0.01  # when a step scheduled nothing (static/dynamic batch not formed yet)
 STEP_TIMEOUT_S = 600.0  # a step running longer than this makes `health()` fail (a hung device)
@@ -97,7 +100,7 @@ class AsyncEngine:
         self.step_started: float | None = None  # monotonic start of the step in progress (heartbeat)
         self.num_engine_errors = 0  # loop thread only
         self._commands: queue.Queue[_Command | None] = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # loop thread only
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}  # loop thread only
         self._thread = threading.Thread(target=self._run, name="llmjax-engine-loop", daemon=True)
 
     # --- lifecycle (any thread) -------------------------------------------------------------------
@@ -118,13 +121,13 @@ class AsyncEngine:
         return await future
 
     async def add(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str,
-                  namespace: Hashable | None, arrival_time: float, outputs: asyncio.Queue) -> None:
-        """Queue a request whose outputs go to `outputs`; raises `RequestError` when the engine refuses it."""
+                  namespace: Hashable | None, arrival_time: float, stream: OutputStream) -> None:
+        """Queue a request whose outputs go to `stream`; raises `RequestError` when the engine refuses it."""
         loop = asyncio.get_running_loop()
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(prompt, params, request_id, namespace, arrival_time)
-            self._streams[request_id] = (loop, outputs)
+            self._streams[request_id] = (loop, stream)
 
         await self.call(add)
 
@@ -223,10 +226,10 @@ class AsyncEngine:
         """Hand outputs to their streams, waking each event loop once for all of them (a wake-up
         costs the loop thread about 3 us: with hundreds of streams, one each would be a large part
         of a step's host time)."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, RequestOutput]]] = {}
         for output in outputs:
-            loop, queue_ = self._streams[output.request_id]
-            batches.setdefault(loop, []).append((queue_, output))
+            loop, stream = self._streams[output.request_id]
+            batches.setdefault(loop, []).append((stream, output))
             if output.finished:
                 del self._streams[output.request_id]
                 if output.error is not None:  # the engine failed it (a step's exception)
@@ -251,8 +254,8 @@ class AsyncEngine:
         self.error = error
         self.num_engine_errors += 1
         self.stats = dataclasses.replace(self.stats, num_engine_errors=self.num_engine_errors)
-        for loop, outputs in self._streams.values():
-            loop.call_soon_threadsafe(outputs.put_nowait, error)
+        for loop, stream in self._streams.values():
+            loop.call_soon_threadsafe(stream.put, error)
         self._streams.clear()
         if self.on_dead is not None:
             self.on_dead()
@@ -266,12 +269,34 @@ class OutputStream:
     Contract: `add` each prompt, iterate until every request finished, and call `abort()` in a
     `finally` (a no-op for finished requests), so a client that leaves frees its blocks at once.
     Event-loop side only.
+
+    Merging (as vLLM's output collector does): an output for a request whose last output is still
+    waiting to be read is folded into that one (`RequestOutput.add`: text and tokens appended,
+    logprobs extended, finish state taken from the new one). A consumer that falls behind (a slow
+    client, an event loop busy with hundreds of streams) thus reads one output per request with
+    every token since its last read, not a backlog of one-token outputs that each cost it an SSE
+    event. An output with an `error` is never merged. The outputs a stream is given are its own
+    (the engine does not touch a delta once made), so merging mutates the waiting one in place.
     """
 
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
-        self.outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.unfinished: set[str] = set()
+        self._queue: collections.deque[RequestOutput | BaseException] = collections.deque()
+        self._waiting: dict[str, RequestOutput] = {}  # request id -> its output in `_queue`
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Queue an output (merged into the request's waiting one, see above) or an exception (raised
+        to the consumer when it reaches it)."""
+        if isinstance(item, RequestOutput):
+            waiting = self._waiting.get(item.request_id)
+            if waiting is not None and item.error is None:
+                waiting.add(item)
+                return
+            self._waiting[item.request_id] = item
+        self._queue.append(item)
+        self._ready.set()
 
     async def add(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str,
                   namespace: Hashable | None = None, arrival_time: float | None = None) -> None:
@@ -279,7 +304,7 @@ class OutputStream:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self.unfinished.add(request_id)  # before awaiting, so a cancelled add is still aborted
         try:
-            await self.engine.add(prompt, params, request_id, namespace, arrival, self.outputs)
+            await self.engine.add(prompt, params, request_id, namespace, arrival, self)
         except Exception:
             self.unfinished.discard(request_id)
             raise
@@ -287,9 +312,14 @@ class OutputStream:
     async def __aiter__(self):
         """Yield outputs in arrival order until every added request has finished."""
         while self.unfinished:
-            output = await self.outputs.get()
+            while not self._queue:
+                self._ready.clear()
+                await self._ready.wait()
+            output = self._queue.popleft()
             if isinstance(output, BaseException):
                 raise output
+            if self._waiting.get(output.request_id) is output:
+                del self._waiting[output.request_id]
             if output.finished:
                 self.unfinished.discard(output.request_id)
             yield output
