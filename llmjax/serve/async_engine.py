@@ -310,7 +310,8 @@ class OutputStream:
             raise
 
     async def __aiter__(self):
-        """Yield outputs in arrival order until every added request has finished."""
+        """Yield outputs in arrival order (a merged output where its first delta arrived) until every
+        added request has finished."""
         while self.unfinished:
             while not self._queue:
                 self._ready.clear()
