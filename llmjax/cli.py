@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from llmjax.engine_args import add_engine_args, engine_config_from_args
-from llmjax.serve.server import UVICORN_LOG_LEVELS, add_serve_args
+from llmjax.serve.server import UVICORN_LOG_LEVELS, add_keep_alive_arg, add_serve_args
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
     router.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
+    add_keep_alive_arg(router)
     add_router_args(router)
     router.set_defaults(func=cmd_router)
 

@@ -685,3 +685,60 @@ def test_a_failed_engine_step_is_a_500_error_object_and_serving_goes_on(client, 
         assert "injected step failure" in events[-1]["error"]["message"]
         _good_request(client)
     assert_no_leak(client)
+
+
+def _http_get(sock: socket.socket, path: str) -> bytes:
+    """Send a keep-alive GET on `sock` and read its whole (small, content-length) response."""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(4096)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(4096)
+    return head.split(b"\r\n")[0]
+
+
+def test_timeout_keep_alive_closes_idle_connections_after_it_and_only_then():
+    engine = tiny_engine(kv_cache_memory_bytes=1 << 20, max_model_len=64)
+    app = build_app(engine, MODEL)
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    status = []
+    thread = threading.Thread(target=lambda: status.append(serve_app(app, "127.0.0.1", port, "warning",
+                                                                     timeout_keep_alive=0.5)))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and thread.is_alive()
+                time.sleep(0.05)
+        with conn:
+            assert _http_get(conn, "/health") == b"HTTP/1.1 200 OK"
+            time.sleep(0.1)  # well within the keep-alive: the same connection serves again
+            assert _http_get(conn, "/v1/models") == b"HTTP/1.1 200 OK"
+            time.sleep(1.5)  # idle past it: the server has closed the connection (its default would wait 5 s)
+            conn.settimeout(1.0)
+            assert conn.recv(1) == b""
+    finally:
+        app.state.server.async_engine.on_dead()  # how the server is told to stop (see `serve_app`)
+        thread.join(60)
+    assert status == [0]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "soon"])
+def test_timeout_keep_alive_must_be_a_positive_number_of_seconds(value):
+    from llmjax.serve.server import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert parser.parse_args(["--timeout-keep-alive", "2.5"]).timeout_keep_alive == 2.5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--timeout-keep-alive", value])

@@ -157,7 +157,8 @@ class Router:
         self.health_check_interval = health_check_interval
         self.health_check_timeout = health_check_timeout
         self.health_failure_threshold = health_failure_threshold
-        # Idle connections are dropped before uvicorn's 5 s keep-alive timeout closes them under us.
+        # Idle connections are dropped before the replicas' keep-alive (`--timeout-keep-alive`, 5 s by
+        # default) closes them under us; a request that fails before its first byte is retried anyway.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=health_check_timeout), limits=limits)
         self._health_task: asyncio.Task | None = None
@@ -355,10 +356,11 @@ def _handler(router: Router, path: str, routed: bool):
 # --- command line ------------------------------------------------------------------------------------------
 def serve_router(urls: list[str], args: argparse.Namespace) -> None:
     """Run the router with uvicorn on `args.host:args.port` until interrupted (flags:
-    `routing.add_router_args`, plus `--uvicorn-log-level`)."""
+    `routing.add_router_args`, plus `--uvicorn-log-level` and `--timeout-keep-alive`)."""
     import uvicorn
 
     app = build_router_app(urls, routing.policy_from_args(args), args.health_check_interval,
                            args.health_check_timeout, args.health_failure_threshold)
     print(f"routing ({args.policy}) over {len(urls)} workers at http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_keep_alive=args.timeout_keep_alive)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_S = 5.0
+KEEP_ALIVE_S = 5.0  # uvicorn's default, as vLLM serves
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 
@@ -39,6 +40,25 @@ def add_serve_args(parser: argparse.ArgumentParser, address: bool = True) -> Non
     parser.add_argument("--allowed-origins", default="",
                         help="comma-separated origins allowed by CORS (default: none)")
     parser.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
+    add_keep_alive_arg(parser)
+
+
+def add_keep_alive_arg(parser: argparse.ArgumentParser) -> None:
+    """`--timeout-keep-alive`, shared by `llmjax serve` and `llmjax router`."""
+    parser.add_argument("--timeout-keep-alive", type=positive_seconds, default=KEEP_ALIVE_S, metavar="S",
+                        help="seconds an idle HTTP connection is kept open (default: %(default)s); set it above "
+                             "the idle timeout of a proxy or client pool that reuses connections, or their requests "
+                             "can fail on a connection closed under them")
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:
@@ -55,13 +75,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info") -> int:
+def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info",
+              timeout_keep_alive: float = KEEP_ALIVE_S) -> int:
     """Serve an app of `build_app` until stopped; 0, or 1 when its engine loop died (the server
     then stops at once, letting open responses end for up to GRACEFUL_SHUTDOWN_S)."""
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                                           timeout_keep_alive=timeout_keep_alive))
     async_engine = app.state.server.async_engine
     async_engine.on_dead = lambda: setattr(server, "should_exit", True)  # uvicorn polls the flag
     server.run()
@@ -95,4 +117,4 @@ def run_server(args: argparse.Namespace) -> None:
         engine.warmup()
     freeze_gc_heap()
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
-    sys.exit(serve_app(app, args.host, args.port, args.uvicorn_log_level))
+    sys.exit(serve_app(app, args.host, args.port, args.uvicorn_log_level, args.timeout_keep_alive))
