@@ -284,6 +284,11 @@ class EngineConfig:
     `coordinator_address`, `num_processes`, `process_id` join a multi-host run (`jax.distributed`).
     `async_scheduling` (vLLM's flag; SGLang's overlap scheduler) dispatches each step before the
     previous one's tokens reach the host, hiding the host's work under the device's.
+    `stream_interval` (SGLang's flag): a streamed (DELTA) request with one sample gets an output
+    for its first token, then once `stream_interval` tokens are not yet returned, and when it
+    finishes; between them a step only records its tokens, so larger values cut the host's work
+    per token (and the server's events) at the price of coarser streaming. Requests with n > 1 get
+    an output every step.
     """
 
     max_num_batched_tokens: int = 512
@@ -303,6 +308,7 @@ class EngineConfig:
     kv_cache_dtype: str | None = None
     seed: int = 0
     async_scheduling: bool = False
+    stream_interval: int = 1
     compilation_cache_dir: str | None = field(default=None)
     tensor_parallel_size: int = 1
     coordinator_address: str | None = None
@@ -310,7 +316,8 @@ class EngineConfig:
     process_id: int | None = None
 
     def __post_init__(self) -> None:
-        positive = ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_model_len", "batch_size")
+        positive = ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_model_len", "batch_size",
+                    "stream_interval")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

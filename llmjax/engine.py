@@ -112,7 +112,8 @@ class _Parent:
     step that gives it a token and does not end it only records the token's time (`token_times`),
     so a steady decode step touches nothing else of it. `plain_stream`: one sample, DELTA, no
     logprobs, no stop strings: such a step makes its text and its delta output directly
-    (`LLMEngine._plain_delta`), the general path's result without its checks."""
+    (`LLMEngine._plain_delta`), the general path's result without its checks; with a
+    `stream_interval` above 1, a step that owes it no output only records its token's time."""
 
     request_id: str
     prompt: str | None
@@ -315,6 +316,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         grouped: dict[_Parent, list[Request]] = {}  # parents with n > 1: their samples that changed, in order
         self.num_generation_tokens += len(appended)
+        interval = self.config.stream_interval
         for i, request in zip(indices, appended):
             parent: _Parent = request.owner
             if parent.quiet and request.status is _RUNNING:  # see `_Parent`
@@ -326,6 +328,9 @@ class LLMEngine:
                 continue
             try:
                 if parent.plain_stream and request.status is _RUNNING and parent.metrics.token_times:
+                    if interval > 1 and not self._output_due(parent.texts[0], len(request.output_token_ids), interval):
+                        parent.metrics.token_times.append(now)  # no output due: its text waits for the next one
+                        continue
                     outputs.append(self._plain_delta(parent, request, now))
                     continue
                 self._after_token(request, parent, result, i, now)
@@ -341,7 +346,8 @@ class LLMEngine:
                     grouped[parent].append(request)
                 else:
                     grouped[parent] = [request]
-            elif parent.params.output_kind is DELTA or request.status.finished:
+            elif request.status.finished or (parent.params.output_kind is DELTA and (
+                    interval == 1 or self._output_due(parent.texts[0], len(request.output_token_ids), interval))):
                 outputs.append(self._output(parent, (request,)))
         for parent, samples in grouped.items():
             if parent.finished:
@@ -387,6 +393,12 @@ class LLMEngine:
             for sibling in parent.held:
                 self.scheduler.add(sibling)
             parent.held = []
+
+    @staticmethod
+    def _output_due(state: _SequenceState, num_output_tokens: int, interval: int) -> bool:
+        """Whether a one-sample stream gets a delta output now: its first token, or `interval` tokens
+        not yet returned (`EngineConfig.stream_interval`)."""
+        return state.returned_tokens == 0 or num_output_tokens - state.returned_tokens >= interval
 
     @staticmethod
     def _plain_delta(parent: _Parent, request: Request, now: float) -> RequestOutput:

@@ -42,6 +42,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                         help="dispatch each step before the previous one's tokens reach the host")
+    parser.add_argument("--stream-interval", type=int, default=d.stream_interval,
+                        help="a streamed request gets an output every this many tokens (and its first and last)")
     parser.add_argument("--compilation-cache-dir", default=d.compilation_cache_dir,
                         help="JAX's persistent compilation cache (default: the engine's)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,

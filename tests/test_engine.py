@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from llmjax.engine import RequestError
+from llmjax.outputs import OutputAccumulator
 from llmjax.sampling_params import RequestOutputKind, SamplingParams
 from tests.engine_helpers import GREEDY, assert_greedy_matches, dense_greedy, drain, run_to_completion, tiny_engine
 
@@ -202,3 +203,42 @@ def test_config_dtype_must_match_the_loaded_model():
     with pytest.raises(ConfigError, match="bfloat16"):
         LLMEngine(loaded, tokenizer, EngineConfig(dtype="bfloat16", max_num_batched_tokens=64, max_num_seqs=8,
                                                   kv_cache_memory_bytes=2 << 20))
+
+
+def _deltas(engine, prompts, params) -> list[list]:
+    """Every delta output of each prompt's request, stepping until all finished."""
+    ids = [engine.add_request(list(p), params) for p in prompts]
+    deltas: dict[str, list] = {i: [] for i in ids}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            deltas[delta.request_id].append(delta)
+        engine.check_kv_invariants()
+    return [deltas[i] for i in ids]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True),  # the plain stream's own path
+    SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=["a", "e", "x"]),
+    SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=7, ignore_eos=True),
+], ids=["plain", "logprobs", "stop", "n-2"])
+def test_stream_interval_outputs_the_first_token_then_every_interval_tokens_then_the_rest(params):
+    prompts = PROMPTS[:3]
+    every_token = _deltas(tiny_engine(), prompts, params)
+    by_four = _deltas(tiny_engine(stream_interval=4), prompts, params)
+    for want, got in zip(every_token, by_four):
+        whole = [OutputAccumulator(), OutputAccumulator()]
+        for acc, deltas in zip(whole, (want, got)):
+            for delta in deltas:
+                acc.add(delta)
+        [expected], [actual] = (acc.outputs.values() for acc in whole)
+        assert [(c.text, c.token_ids, c.logprobs, c.finish_reason) for c in actual.outputs] == \
+            [(c.text, c.token_ids, c.logprobs, c.finish_reason) for c in expected.outputs]
+        assert got[-1].finished and not any(d.finished for d in got[:-1])
+        assert len(actual.metrics.token_times) == len(expected.metrics.token_times)  # every step's time kept
+        if params.n > 1:  # an output every step, as without an interval
+            assert len(got) == len(want)
+        else:  # the first token, then full intervals, then what is left when it finishes
+            rest = len(expected.outputs[0].token_ids) - 1
+            counts = [len(d.outputs[0].token_ids) for d in got]
+            assert counts == [1] + [4] * (rest // 4) + ([rest % 4] if rest % 4 else [])

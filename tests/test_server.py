@@ -742,3 +742,18 @@ def test_timeout_keep_alive_must_be_a_positive_number_of_seconds(value):
     assert parser.parse_args(["--timeout-keep-alive", "2.5"]).timeout_keep_alive == 2.5
     with pytest.raises(SystemExit):
         parser.parse_args(["--timeout-keep-alive", value])
+
+
+def test_a_stream_interval_sends_several_tokens_per_event_with_their_logprobs_and_offsets():
+    engine = tiny_engine(kv_cache_memory_bytes=1 << 20, max_model_len=64, stream_interval=3)
+    with running_server(build_app(engine, MODEL)) as url, httpx.Client(base_url=url, timeout=120) as client:
+        whole = complete(client, prompt="abc", logprobs=1, **GREEDY)["choices"][0]
+        events = [e for e in stream(client, "/v1/completions", prompt="abc", logprobs=1, **GREEDY) if e["choices"]]
+        chat = [e["choices"][0]["delta"].get("content") for e in stream(
+            client, "/v1/chat/completions", messages=[{"role": "user", "content": "x"}], **GREEDY)]
+    per_event = [len(e["choices"][0]["logprobs"]["tokens"]) for e in events]
+    assert per_event == [1, 3, 3, 1]  # 8 tokens: the first, two intervals, the rest
+    joined = {key: [x for e in events for x in e["choices"][0]["logprobs"][key]] for key in whole["logprobs"]}
+    assert joined == whole["logprobs"]  # tokens, logprobs, top logprobs and text offsets
+    assert "".join(e["choices"][0]["text"] for e in events) == whole["text"]
+    assert len(chat) == 1 + 4  # the role, then the same four events
