@@ -14,8 +14,12 @@ every later timestamp and arrival (`Replay.compiles` counts them; normally 0).
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -250,6 +254,43 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     for row in rows:
         lines.append("| " + " | ".join(format(row[k], f) if f else str(row[k]) for k, _, f in columns) + " |")
     return "\n".join(lines)
+
+
+# --- servers in subprocesses --------------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server_process(cmd: list[str], url: str, log, timeout: float = 900.0) -> Iterator[subprocess.Popen]:
+    """Run `cmd` (a server: `llmjax serve`, `llmjax cluster`) with its output to the file `log`;
+    yields the process once `url`/health answers 200 (SystemExit if it exits first or `timeout`
+    passes). On leaving: SIGTERM, then SIGKILL after 60 s."""
+    import httpx
+
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited during startup; see {log.name}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the server did not start in {timeout:.0f} s; see {log.name}")
+            time.sleep(0.5)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def write_report(name: str, title: str, body: str, data: dict, out: Path = RESULTS) -> None:

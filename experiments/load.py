@@ -38,7 +38,6 @@ import multiprocessing
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,8 @@ from llmjax.provenance import results_dir, write_results
 from llmjax.serve.cluster import replica_pids
 from llmjax.serve.metrics import parse_metrics
 
+from common import free_port  # experiments/common.py
+
 TINY_SERVER_ARGS = ["--block-size", "8", "--max-model-len", "128", "--kv-cache-memory", str(4 << 20),
                     "--max-num-seqs", "32", "--max-num-batched-tokens", "64"]
 MODEL_NAME = "load-test"
@@ -61,12 +62,6 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz "
 REPLICAS = 2
 HEALTH_INTERVAL_S = 0.05
 HEALTH_P99_LIMIT_MS = 50.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_cluster(model: str, port: int, base_port: int, server_args: list[str], log_file) -> subprocess.Popen:

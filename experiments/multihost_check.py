@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -59,13 +58,9 @@ def worker(args: argparse.Namespace) -> None:
                               tokens=tokens)), flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args: argparse.Namespace) -> int:
+    from common import free_port  # experiments/common.py
+
     coordinator = f"127.0.0.1:{free_port()}"
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices_per_process}",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))

@@ -50,11 +50,8 @@ import contextlib
 import math
 import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,7 +72,7 @@ from llmjax.serve import routing
 from llmjax.serve.metrics import parse_metrics
 from llmjax.sim import Simulator, TraceRequest, finish_step
 
-from common import SIM_COST, SIM_KV_BYTES, results_dir, table, write_report  # experiments/common.py
+from common import SIM_COST, SIM_KV_BYTES, free_port, results_dir, server_process, table, write_report  # experiments/common.py
 
 POLICIES = ("round_robin", "cache_aware")
 BLOCK_SIZE = 16
@@ -96,12 +93,6 @@ def arrival_order(groups: int, per_group: int, seed: int) -> list[int]:
 
 
 # --- part 1: HTTP --------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def cluster(args: argparse.Namespace, policy: str, log):
     """`llmjax cluster` in a subprocess; yields the router URL once it is up."""
@@ -109,27 +100,9 @@ def cluster(args: argparse.Namespace, policy: str, log):
     cmd = [sys.executable, "-m", "llmjax.cli", "cluster", args.model, "--replicas", str(args.replicas),
            "--port", str(port), "--replica-base-port", str(free_port()), "--policy", policy,
            "--uvicorn-log-level", "warning", *args.server_args]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the cluster exited during startup; see {log.name}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the cluster did not start; see {log.name}")
-            time.sleep(0.5)
+    with server_process(cmd, url, log):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def tiny_server_args(args: argparse.Namespace) -> list[str]:

@@ -18,7 +18,8 @@ prompts are token-id lists, or text (`--prompt-format text`, the ids rendered by
 `/detokenize`).
 
 Reports TTFT, TPOT (per output token after the first), ITL (between streamed chunks) and
-end-to-end latency (mean, p50, p90, p99, in ms), request and token throughput, and goodput
+end-to-end latency (mean, p50, p90, p99, in ms), request and token throughput, streamed chunks
+(SSE events) per request (fewer than its tokens with `--stream-interval` above 1), and goodput
 (requests per second meeting every `--goodput` SLO, e.g. `--goodput ttft:500 tpot:50`).
 Prints a table (and the distinct errors of failed requests); `--result-file` writes the same as JSON.
 """
@@ -228,6 +229,7 @@ def summarize(results: list[RequestResult], duration: float, slos: dict[str, flo
         "tpot_ms": percentiles([r.tpot for r in ok if r.output_tokens > 1]),
         "itl_ms": percentiles([x for r in ok for x in r.itl]),
         "e2el_ms": percentiles([r.latency for r in ok]),
+        "stream_events_per_request": sum(len(r.itl) + 1 for r in ok) / len(ok) if ok else 0.0,
         "errors": sorted({r.error for r in results if not r.ok})[:10],
     }
     if slos:
@@ -245,6 +247,7 @@ def format_table(summary: dict) -> str:
              f"{'Request throughput (req/s):':<36}{summary['request_throughput']:>12.2f}",
              f"{'Output token throughput (tok/s):':<36}{summary['output_throughput']:>12.2f}",
              f"{'Total token throughput (tok/s):':<36}{summary['total_token_throughput']:>12.2f}"]
+    lines.append(f"{'Stream events per request:':<36}{summary['stream_events_per_request']:>12.2f}")
     if "request_goodput" in summary:
         lines.append(f"{'Request goodput (req/s):':<36}{summary['request_goodput']:>12.2f}")
     lines.append(f"{'(ms)':<10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")

@@ -48,6 +48,7 @@ def test_random_dataset_sends_the_lengths_it_was_given(base_url):
     ttft, e2el, tpot = summary["ttft_ms"], summary["e2el_ms"], summary["tpot_ms"]
     assert 0 < ttft["p50"] <= e2el["p50"] and tpot["p50"] > 0
     assert summary["itl_ms"]["p50"] > 0
+    assert 1 <= summary["stream_events_per_request"] <= 5  # a token an event, or fewer when deltas merge
 
 
 def test_prefix_dataset_shares_each_groups_prompt_head(base_url):
