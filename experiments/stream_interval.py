@@ -1,0 +1,176 @@
+"""Stream interval: what `--stream-interval N` buys a server under many concurrent streams.
+
+Per run, a fresh `llmjax serve` (a subprocess; a tiny random-weight model by default, so the host's
+work per token is large against the model's) serves `llmjax bench`'s random workload from this
+process: `--num-prompts` streamed completions of `--input-len` prompt tokens and `--output-len`
+output tokens, `--concurrency` in flight. The server's `--max-num-seqs` is the concurrency, so every
+stream decodes in every step. Each interval runs `--rounds` times, the intervals in ascending order
+in even rounds and descending in odd ones (so a drift of the shared machine falls on every interval
+alike); each figure is the median over the rounds.
+
+Measured per run: output tokens per second; TPOT (per request: (latency - TTFT) / (tokens - 1)) and
+the time between SSE events, p50; SSE events per request (a stream that lags behind merges the
+deltas it has not read into one event, so at N = 1 this can fall below the tokens per request); CPU
+seconds per 1,000 output tokens of the server's event loop (its main thread: uvicorn, the SSE
+responses), of the whole server process (with the engine thread and XLA's threads) and of the
+client (this process: the bench's HTTP streams), read from /proc (Linux) around the bench.
+
+Usage: python experiments/stream_interval.py            (intervals 1, 2, 4, 8; 2 rounds; ~8 min)
+       python experiments/stream_interval.py --quick    (smoke run into build/results-quick/)
+       python experiments/stream_interval.py --model smollm2 --concurrency 64 --output-len 64
+Writes results/stream_interval.md, .json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from common import free_port, results_dir, server_process, table, write_report  # experiments/common.py
+
+from llmjax.bench import add_bench_args, run_bench  # noqa: E402
+from llmjax.config import PRESETS  # noqa: E402
+
+BLOCK_SIZE = 16
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU seconds of process `pid`, or of its thread `tid` (from /proc)."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime: fields 14 and 15 of stat(5)
+
+
+def server_args(args: argparse.Namespace) -> list[str]:
+    """Flags of the server: a slot and a KV pool for every stream (`--kv-cache-memory` only for a preset,
+    whose bytes per token are known here; another model gets the server's default pool)."""
+    max_len = max(args.input_len + args.output_len, 2 * args.output_len)  # the bench caps outputs at half of it
+    flags = ["--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(max(512, 2 * args.concurrency)),
+             "--max-model-len", str(max_len), "--block-size", str(BLOCK_SIZE), "--uvicorn-log-level", "warning"]
+    if args.model in PRESETS:
+        blocks = args.concurrency * -(-max_len // BLOCK_SIZE) + 1  # + the null block
+        flags += ["--kv-cache-memory", str(blocks * BLOCK_SIZE * PRESETS[args.model].kv_bytes_per_token(4))]
+    return flags
+
+
+def run_one(args: argparse.Namespace, interval: int, log) -> dict:
+    """One fresh server at `interval`, one bench against it; the run's figures."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "llmjax.cli", "serve", args.model, "--port", str(port), "--stream-interval",
+           str(interval), *server_args(args), *args.server_args]
+    with server_process(cmd, url, log) as server:
+        parser = argparse.ArgumentParser()
+        add_bench_args(parser)
+        bench_args = parser.parse_args(["--base-url", url, "--num-prompts", str(args.num_prompts), "--random-input-len",
+                                        str(args.input_len), "--random-output-len", str(args.output_len),
+                                        "--max-concurrency", str(args.concurrency), "--seed", str(args.seed)])
+        loop0, server0, client0 = cpu_seconds(server.pid, server.pid), cpu_seconds(server.pid), time.process_time()
+        summary = run_bench(bench_args)
+        loop1, server1, client1 = cpu_seconds(server.pid, server.pid), cpu_seconds(server.pid), time.process_time()
+    if summary["failed"]:
+        raise SystemExit(f"interval {interval}: {summary['failed']} requests failed: {summary['errors']}")
+    per_k = 1000 / summary["total_output_tokens"]
+    return {"interval": interval, "tok_s": summary["output_throughput"], "tpot_p50_ms": summary["tpot_ms"]["p50"],
+            "event_gap_p50_ms": summary["itl_ms"]["p50"], "events": summary["stream_events_per_request"],
+            "loop_cpu": (loop1 - loop0) * per_k, "server_cpu": (server1 - server0) * per_k,
+            "client_cpu": (client1 - client0) * per_k}
+
+
+def summarize_runs(runs: list[dict], intervals: list[int]) -> list[dict]:
+    """Per interval, the median of each figure over its runs; `speedup`: its tok/s over interval 1's
+    (the first interval's when 1 was not run)."""
+    rows = []
+    for n in intervals:
+        mine = [r for r in runs if r["interval"] == n]
+        rows.append({k: statistics.median(r[k] for r in mine) for k in mine[0]} | {"interval": n, "runs": len(mine)})
+    for row in rows:
+        row["speedup"] = row["tok_s"] / rows[0]["tok_s"]
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    xs = [r["interval"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(xs, [r["tok_s"] for r in rows], "o-")
+    left.set(xscale="log", xlabel="--stream-interval", ylabel="output tokens / s", title="throughput", ylim=(0, None))
+    for key, label in (("loop_cpu", "server event loop"), ("server_cpu", "server process"), ("client_cpu", "client")):
+        right.plot(xs, [r[key] for r in rows], "o-", label=label)
+    right.set(xscale="log", xlabel="--stream-interval", ylabel="CPU s per 1,000 output tokens", title="CPU",
+              ylim=(0, None))
+    for ax in (left, right):
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.grid(alpha=0.3)
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny-gqa")
+    ap.add_argument("--intervals", default="1,2,4,8")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--num-prompts", type=int, default=512)
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="smoke run: intervals 1 and 4, one round, 64 streams of "
+                    "32 tokens; written to build/results-quick/")
+    ap.add_argument("server_args", nargs="*", help="more flags for the server (after --)")
+    args = ap.parse_args()
+    if args.quick:
+        args.intervals, args.rounds, args.num_prompts, args.concurrency, args.output_len = "1,4", 1, 64, 64, 32
+    intervals = [int(x) for x in args.intervals.split(",")]
+    if any(n < 1 for n in intervals) or args.rounds < 1:
+        raise SystemExit("--intervals takes positive integers and --rounds must be at least 1")
+    runs = []
+    with tempfile.NamedTemporaryFile("w", prefix="stream-interval-", suffix=".log", delete=False) as log:
+        for round_ in range(args.rounds):
+            for n in intervals if round_ % 2 == 0 else intervals[::-1]:
+                print(f"round {round_ + 1}/{args.rounds}: --stream-interval {n} (server log: {log.name})", flush=True)
+                runs.append(run_one(args, n, log))
+    rows = summarize_runs(runs, intervals)
+    out = results_dir(quick=args.quick)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(rows, out / "stream_interval.png")
+    columns = [("interval", "--stream-interval", ""), ("tok_s", "output tok/s", ".0f"),
+               ("speedup", f"vs interval {intervals[0]}", ".2f"), ("tpot_p50_ms", "TPOT p50 ms", ".1f"),
+               ("event_gap_p50_ms", "time between events p50 ms", ".1f"), ("events", "events per request", ".1f"),
+               ("loop_cpu", "event loop CPU s / 1k tokens", ".3f"), ("server_cpu", "server CPU s / 1k tokens", ".3f"),
+               ("client_cpu", "client CPU s / 1k tokens", ".3f")]
+    first, last = rows[0], rows[-1]
+    command = " ".join(["python experiments/stream_interval.py", *sys.argv[1:]])
+    body = (f"`{command}`\n\n"
+            f"`llmjax serve {args.model}` with `--stream-interval` N, a fresh server per run, against `llmjax bench`: "
+            f"{args.num_prompts} streamed completions of {args.input_len} prompt and {args.output_len} output tokens, "
+            f"{args.concurrency} in flight (the server's `--max-num-seqs`, so every stream decodes in every step). "
+            f"Medians over {args.rounds} round(s), intervals ascending in even rounds and descending in odd ones. "
+            "CPU: the server's event loop (its main thread), the whole server process, and the client, per 1,000 "
+            "output tokens. Events per request can fall below the tokens per request at N = 1: a stream that lags "
+            "behind gets the deltas it has not read merged into one event.\n\n"
+            + table(rows, columns) + "\n\n"
+            f"From N = {first['interval']} to N = {last['interval']}: output throughput x{last['speedup']:.2f} "
+            f"({first['tok_s']:.0f} -> {last['tok_s']:.0f} tok/s); event-loop CPU per 1k tokens "
+            f"{first['loop_cpu']:.3f} -> {last['loop_cpu']:.3f} s; client CPU per 1k tokens "
+            f"{first['client_cpu']:.3f} -> {last['client_cpu']:.3f} s; SSE events per request "
+            f"{first['events']:.1f} -> {last['events']:.1f}.\n\n![throughput and CPU](stream_interval.png)")
+    write_report("stream_interval", "Stream interval under concurrent streams", body,
+                 {"args": vars(args), "runs": runs, "rows": rows}, out)
+
+
+if __name__ == "__main__":
+    main()
