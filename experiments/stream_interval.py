@@ -15,7 +15,7 @@ seconds per 1,000 output tokens of the server's event loop (its main thread: uvi
 responses), of the whole server process (with the engine thread and XLA's threads) and of the
 client (this process: the bench's HTTP streams), read from /proc (Linux) around the bench.
 
-Usage: python experiments/stream_interval.py            (intervals 1, 2, 4, 8; 2 rounds; ~8 min)
+Usage: python experiments/stream_interval.py            (intervals 1, 2, 4, 8; 3 rounds; ~7 min)
        python experiments/stream_interval.py --quick    (smoke run into build/results-quick/)
        python experiments/stream_interval.py --model smollm2 --concurrency 64 --output-len 64
 Writes results/stream_interval.md, .json and .png.
@@ -36,7 +36,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from common import free_port, results_dir, server_process, table, write_report  # experiments/common.py
+from common import change, free_port, results_dir, server_process, table, write_report  # experiments/common.py
 
 from llmjax.bench import add_bench_args, run_bench  # noqa: E402
 from llmjax.config import PRESETS  # noqa: E402
@@ -111,6 +111,7 @@ def plot(rows: list[dict], path: Path) -> None:
               ylim=(0, None))
     for ax in (left, right):
         ax.set_xticks(xs, [str(x) for x in xs])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
     right.legend()
     fig.tight_layout()
@@ -122,7 +123,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-gqa")
     ap.add_argument("--intervals", default="1,2,4,8")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=16)
@@ -153,6 +154,11 @@ def main() -> None:
                ("loop_cpu", "event loop CPU s / 1k tokens", ".3f"), ("server_cpu", "server CPU s / 1k tokens", ".3f"),
                ("client_cpu", "client CPU s / 1k tokens", ".3f")]
     first, last = rows[0], rows[-1]
+    findings = [change(what, first[key], last[key], unit, digits, tolerance=0.05) for what, key, unit, digits in (
+        ("output throughput", "tok_s", "tok/s", 0), ("SSE events per request", "events", "", 1),
+        ("the event loop's CPU per 1k tokens", "loop_cpu", "s", 3),
+        ("the server process's CPU per 1k tokens", "server_cpu", "s", 3),
+        ("the client's CPU per 1k tokens", "client_cpu", "s", 3), ("TPOT p50", "tpot_p50_ms", "ms", 1))]
     command = " ".join(["python experiments/stream_interval.py", *sys.argv[1:]])
     body = (f"`{command}`\n\n"
             f"`llmjax serve {args.model}` with `--stream-interval` N, a fresh server per run, against `llmjax bench`: "
@@ -162,12 +168,10 @@ def main() -> None:
             "CPU: the server's event loop (its main thread), the whole server process, and the client, per 1,000 "
             "output tokens. Events per request can fall below the tokens per request at N = 1: a stream that lags "
             "behind gets the deltas it has not read merged into one event.\n\n"
-            + table(rows, columns) + "\n\n"
-            f"From N = {first['interval']} to N = {last['interval']}: output throughput x{last['speedup']:.2f} "
-            f"({first['tok_s']:.0f} -> {last['tok_s']:.0f} tok/s); event-loop CPU per 1k tokens "
-            f"{first['loop_cpu']:.3f} -> {last['loop_cpu']:.3f} s; client CPU per 1k tokens "
-            f"{first['client_cpu']:.3f} -> {last['client_cpu']:.3f} s; SSE events per request "
-            f"{first['events']:.1f} -> {last['events']:.1f}.\n\n![throughput and CPU](stream_interval.png)")
+            f"{table(rows, columns)}\n\n"
+            f"From N = {first['interval']} to N = {last['interval']}: {'; '.join(findings)}. A change within 5% counts "
+            "as none: the rounds of one interval differ by more than that on this shared machine (every run is in "
+            "the JSON).\n\n![throughput and CPU](stream_interval.png)")
     write_report("stream_interval", "Stream interval under concurrent streams", body,
                  {"args": vars(args), "runs": runs, "rows": rows}, out)
 
