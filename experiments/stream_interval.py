@@ -53,8 +53,9 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
 
 
 def server_args(args: argparse.Namespace) -> list[str]:
-    """Flags of the server: a slot and a KV pool for every stream (`--kv-cache-memory` only for a preset,
-    whose bytes per token are known here; another model gets the server's default pool)."""
+    """Flags of the server: a slot and room in the KV pool for every stream (`--kv-cache-memory` only for
+    a preset, whose bytes per token are known here, counted in float32 so that any KV dtype fits; another
+    model gets the server's default pool)."""
     max_len = max(args.input_len + args.output_len, 2 * args.output_len)  # the bench caps outputs at half of it
     flags = ["--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(max(512, 2 * args.concurrency)),
              "--max-model-len", str(max_len), "--block-size", str(BLOCK_SIZE), "--uvicorn-log-level", "warning"]
@@ -89,21 +90,27 @@ def run_one(args: argparse.Namespace, interval: int, log) -> dict:
 
 
 def summarize_runs(runs: list[dict], intervals: list[int]) -> list[dict]:
-    """Per interval, the median of each figure over its runs; `speedup`: its tok/s over interval 1's
-    (the first interval's when 1 was not run)."""
+    """Per interval, the median of each figure over its runs and the range of its tok/s; `speedup`: its
+    median tok/s over the first interval's (1 by default)."""
     rows = []
     for n in intervals:
         mine = [r for r in runs if r["interval"] == n]
-        rows.append({k: statistics.median(r[k] for r in mine) for k in mine[0]} | {"interval": n, "runs": len(mine)})
+        rows.append({k: statistics.median(r[k] for r in mine) for k in mine[0]} | {
+            "interval": n, "runs": len(mine), "tok_s_range": f"{min(r['tok_s'] for r in mine):.0f}-"
+                                                              f"{max(r['tok_s'] for r in mine):.0f}"})
     for row in rows:
         row["speedup"] = row["tok_s"] / rows[0]["tok_s"]
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], runs: list[dict], path: Path) -> None:
     xs = [r["interval"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot(xs, [r["tok_s"] for r in rows], "o-")
+    left.plot(xs, [r["tok_s"] for r in rows], "o-", label="median")
+    for x in xs:
+        mine = [r["tok_s"] for r in runs if r["interval"] == x]
+        left.plot([x] * len(mine), mine, "k.", alpha=0.5, label="runs" if x == xs[0] else None)
+    left.legend()
     left.set(xscale="log", xlabel="--stream-interval", ylabel="output tokens / s", title="throughput", ylim=(0, None))
     for key, label in (("loop_cpu", "server event loop"), ("server_cpu", "server process"), ("client_cpu", "client")):
         right.plot(xs, [r[key] for r in rows], "o-", label=label)
@@ -147,8 +154,9 @@ def main() -> None:
     rows = summarize_runs(runs, intervals)
     out = results_dir(quick=args.quick)
     out.mkdir(parents=True, exist_ok=True)
-    plot(rows, out / "stream_interval.png")
+    plot(rows, runs, out / "stream_interval.png")
     columns = [("interval", "--stream-interval", ""), ("tok_s", "output tok/s", ".0f"),
+               ("tok_s_range", "range over runs", ""),
                ("speedup", f"vs interval {intervals[0]}", ".2f"), ("tpot_p50_ms", "TPOT p50 ms", ".1f"),
                ("event_gap_p50_ms", "time between events p50 ms", ".1f"), ("events", "events per request", ".1f"),
                ("loop_cpu", "event loop CPU s / 1k tokens", ".3f"), ("server_cpu", "server CPU s / 1k tokens", ".3f"),
