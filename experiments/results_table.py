@@ -191,6 +191,18 @@ def host_overhead(d: dict, n: Numbers) -> str:
             f"step's host work is {n(c['hot_host_ms'], '.2f')} ms")
 
 
+def stream_interval(d: dict, n: Numbers) -> str:
+    first, last = d["rows"][0], d["rows"][-1]
+    return (f"`--stream-interval` {n(first['interval'], 'd')} -> {n(last['interval'], 'd')} under "
+            f"{n(d['args']['concurrency'], 'd')} concurrent streams of a tiny model: output "
+            f"{n(first['tok_s'], '.0f')} -> {n(last['tok_s'], '.0f')} tok/s "
+            f"({n.ratio(last['tok_s'], first['tok_s'])}x), "
+            f"SSE events per request {n(first['events'], '.0f')} -> {n(last['events'], '.0f')}, CPU per output token: "
+            f"server event loop {n(first['loop_cpu'], '.0f', 1e3)} -> {n(last['loop_cpu'], '.0f', 1e3)} us, client "
+            f"{n(first['client_cpu'], '.0f', 1e3)} -> {n(last['client_cpu'], '.0f', 1e3)} us; TPOT p50 "
+            f"{n(first['tpot_p50_ms'], '.1f')} -> {n(last['tpot_p50_ms'], '.1f')} ms")
+
+
 def batching(d: dict, n: Numbers) -> str:
     cpu, sim = d["cpu"], d["sim"]
     return (f"simulated A100/OPT-13B: continuous batching {n(sim[2]['speedup'], '.2f')}x static's tokens/s, p50 TTFT "
@@ -263,6 +275,7 @@ ROWS: list[tuple[str, str, Formatter]] = [
     ("[load](results/load.md)", "results/load.json", load),
     ("[kv_bookkeeping](results/kv_bookkeeping.md)", "results/kv_bookkeeping.json", kv_bookkeeping),
     ("[host_overhead](results/host_overhead.md)", "results/host_overhead.json", host_overhead),
+    ("[stream_interval](results/stream_interval.md)", "results/stream_interval.json", stream_interval),
     ("[kernel_bench](results/gpu/kernel_bench.md) (GPU)", "results/gpu/kernel_bench.json", kernel_bench),
     ("[triton_sm90](results/triton_sm90.md) (GPU kernels compiled offline)", "results/triton_sm90.json", triton_sm90),
     ("[batching](results/batching.md)", "results/batching.json", batching),
