@@ -45,10 +45,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import aiohttp
 import httpx
 from tqdm import tqdm
 
-from llmjax.bench import percentiles, stream_completion
+from llmjax.bench import percentiles, stream_completion, stream_session
 from llmjax.provenance import results_dir, write_results
 from llmjax.serve.cluster import replica_pids
 from llmjax.serve.metrics import parse_metrics
@@ -111,10 +112,12 @@ def probe_health(urls: list[str], start: float, stop, conn) -> None:
 
 # --- the clients --------------------------------------------------------------------------------------------
 class LoadClient:
-    """One client's request mix; results accumulate in the shared `stats`."""
+    """One client's request mix; results accumulate in the shared `stats`. The streams timed as
+    `llmjax bench` times them go through its aiohttp `session`, everything else through `client`."""
 
-    def __init__(self, client: httpx.AsyncClient, rng: random.Random, max_model_len: int, stats: dict):
-        self.client, self.rng, self.max_len, self.stats = client, rng, max_model_len, stats
+    def __init__(self, client: httpx.AsyncClient, session: aiohttp.ClientSession, rng: random.Random,
+                 max_model_len: int, stats: dict):
+        self.client, self.session, self.rng, self.max_len, self.stats = client, session, rng, max_model_len, stats
 
     def _prompt(self) -> str:
         return "".join(self.rng.choice(LETTERS) for _ in range(self.rng.randint(4, 48)))
@@ -127,7 +130,7 @@ class LoadClient:
         self.stats["interrupted" if started else "failures"].append(f"{kind}: {message}")
 
     async def _check_stream(self, kind: str, body: dict) -> None:
-        result = await stream_completion(self.client, body)
+        result = await stream_completion(self.session, body)
         if not result.ok or result.output_tokens != body["max_tokens"]:
             message = result.error or f"{result.output_tokens} tokens, wanted {body['max_tokens']}"
             return self._fail(kind, message, started=bool(result.text))
@@ -247,11 +250,12 @@ async def drive(url: str, clients: int, duration: float, seed: int, max_model_le
     # A connection per request, as `llmjax bench` opens them: a pooled one that the router closes as
     # idle while a client reuses it would fail a valid request with a ReadError.
     limits = httpx.Limits(max_connections=clients * 2, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client, \
+            stream_session(url, read_timeout=120) as session:
         start = time.monotonic()
         deadline = start + duration
-        workers = [asyncio.ensure_future(LoadClient(client, random.Random(seed + i), max_model_len, stats).run(deadline))
-                   for i in range(clients)]
+        workers = [asyncio.ensure_future(LoadClient(client, session, random.Random(seed + i), max_model_len,
+                                                    stats).run(deadline)) for i in range(clients)]
         killed = kill_after is None
         with tqdm(total=round(duration), desc=desc, unit="s") as bar:
             while not all(w.done() for w in workers):

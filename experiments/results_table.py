@@ -203,6 +203,16 @@ def stream_interval(d: dict, n: Numbers) -> str:
             f"{n(first['tpot_p50_ms'], '.1f')} -> {n(last['tpot_p50_ms'], '.1f')} ms")
 
 
+def bench_client(d: dict, n: Numbers) -> str:
+    rows = {r["client"]: r for r in d["rows"]}
+    old, new = rows["httpx"], rows["aiohttp"]
+    return (f"`llmjax bench`'s streams through httpx -> aiohttp, {n(d['args']['concurrency'], 'd')} concurrent streams "
+            f"of a tiny model, one event per token: client CPU per SSE event {n(old['client_us_per_event'], '.0f')} -> "
+            f"{n(new['client_us_per_event'], '.0f')} us; measured output {n(old['tok_s'], '.0f')} -> "
+            f"{n(new['tok_s'], '.0f')} tok/s ({n.ratio(new['tok_s'], old['tok_s'])}x), the client having taken "
+            "that CPU from the server on this 2-core machine")
+
+
 def batching(d: dict, n: Numbers) -> str:
     cpu, sim = d["cpu"], d["sim"]
     return (f"simulated A100/OPT-13B: continuous batching {n(sim[2]['speedup'], '.2f')}x static's tokens/s, p50 TTFT "
@@ -276,6 +286,7 @@ ROWS: list[tuple[str, str, Formatter]] = [
     ("[kv_bookkeeping](results/kv_bookkeeping.md)", "results/kv_bookkeeping.json", kv_bookkeeping),
     ("[host_overhead](results/host_overhead.md)", "results/host_overhead.json", host_overhead),
     ("[stream_interval](results/stream_interval.md)", "results/stream_interval.json", stream_interval),
+    ("[bench_client](results/bench_client.md)", "results/bench_client.json", bench_client),
     ("[kernel_bench](results/gpu/kernel_bench.md) (GPU)", "results/gpu/kernel_bench.json", kernel_bench),
     ("[triton_sm90](results/triton_sm90.md) (GPU kernels compiled offline)", "results/triton_sm90.json", triton_sm90),
     ("[batching](results/batching.md)", "results/batching.json", batching),

@@ -1,0 +1,186 @@
+"""Bench client: what the load generator's HTTP client costs, and what it hides of the server.
+
+`llmjax bench` streams its requests through aiohttp (`llmjax.bench.stream_completion`). This runs
+that function and the same loop written on httpx (`aiter_lines`, as `llmjax bench` once did)
+against one `llmjax serve` (a subprocess, a tiny random-weight model by default, so the host's work
+per token dominates), in alternating order over `--rounds` rounds: `--num-prompts` streamed
+completions of `--input-len` random prompt ids and `--output-len` tokens (`ignore_eos`),
+`--concurrency` in flight, `--stream-interval 1` (one SSE event per token). Both clients open a
+connection per request and parse every event's JSON.
+
+Measured per run: the client's CPU time per SSE event (this process, `time.process_time`), output
+tokens per second, and the server process's CPU per output token (from /proc). On a machine the
+client shares with the server, every CPU second the client spends is taken from the server, so a
+costlier client understates the server's throughput.
+
+Usage: python experiments/bench_client.py            (3 rounds; ~3 min)
+       python experiments/bench_client.py --quick    (smoke run into build/results-quick/)
+Writes results/bench_client.md, .json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import matplotlib
+import numpy as np
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from common import change, free_port, results_dir, server_process, table, write_report  # experiments/common.py
+from stream_interval import cpu_seconds, server_args  # experiments/stream_interval.py
+
+from llmjax.bench import RequestResult, stream_completion, stream_session  # noqa: E402
+
+CLIENTS = ("httpx", "aiohttp")
+
+
+async def httpx_stream(client: httpx.AsyncClient, payload: dict) -> RequestResult:
+    """`stream_completion` on httpx: the same request, parsing and timing, its errors aside."""
+    payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+    result, start, last = RequestResult(), time.perf_counter(), None
+    async with client.stream("POST", "/v1/completions", json=payload) as response:
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            now = time.perf_counter()
+            for choice in chunk["choices"]:
+                if last is None:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+                result.text += choice["text"]
+            if chunk.get("usage"):
+                result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                result.output_tokens = chunk["usage"]["completion_tokens"]
+    result.latency = time.perf_counter() - start
+    result.ok = last is not None and response.status_code == 200
+    return result
+
+
+async def drive(kind: str, url: str, payloads: list[dict], concurrency: int) -> list[RequestResult]:
+    """Every payload as a stream through client `kind`, `concurrency` at a time."""
+    limit = asyncio.Semaphore(concurrency)
+    if kind == "httpx":
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+        client = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None), limits=limits)
+        send = lambda p: httpx_stream(client, p)  # noqa: E731
+    else:
+        client = stream_session(url)
+        send = lambda p: stream_completion(client, p)  # noqa: E731
+
+    async def one(payload: dict) -> RequestResult:
+        async with limit:
+            return await send(payload)
+
+    try:
+        return await asyncio.gather(*map(one, payloads))
+    finally:
+        await (client.aclose() if kind == "httpx" else client.close())
+
+
+def run_one(kind: str, url: str, server_pid: int, payloads: list[dict], concurrency: int) -> dict:
+    server0, client0, wall0 = cpu_seconds(server_pid), time.process_time(), time.perf_counter()
+    results = asyncio.run(drive(kind, url, payloads, concurrency))
+    server1, client1, wall1 = cpu_seconds(server_pid), time.process_time(), time.perf_counter()
+    failed = [r.error for r in results if not r.ok]
+    if failed:
+        raise SystemExit(f"{kind}: {len(failed)} requests failed: {sorted(set(failed))[:5]}")
+    tokens = sum(r.output_tokens for r in results)
+    events = sum(len(r.itl) + 1 for r in results)  # the first event is timed as the TTFT, the others in `itl`
+    return {"client": kind, "tok_s": tokens / (wall1 - wall0), "events": events,
+            "client_us_per_event": 1e6 * (client1 - client0) / events,
+            "server_us_per_token": 1e6 * (server1 - server0) / tokens}
+
+
+def plot(rows: list[dict], runs: list[dict], path: Path) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    for ax, key, label in zip(axes, ("client_us_per_event", "tok_s", "server_us_per_token"),
+                              ("client CPU µs per SSE event", "output tokens / s", "server CPU µs per output token")):
+        ax.bar(range(len(rows)), [r[key] for r in rows], color=["tab:gray", "tab:blue"][: len(rows)], alpha=0.7,
+               label="median")
+        for i, row in enumerate(rows):
+            mine = [r[key] for r in runs if r["client"] == row["client"]]
+            ax.plot([i] * len(mine), mine, "k.", label="runs" if i == 0 else None)
+        ax.set_xticks(range(len(rows)), [r["client"] for r in rows])
+        ax.set(title=label, ylim=(0, None))
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny-gqa")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=384)
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="smoke run: one round, 32 streams of 16 tokens; "
+                    "written to build/results-quick/")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.num_prompts, args.concurrency, args.output_len = 1, 32, 32, 16
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    rng = np.random.default_rng(args.seed)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "llmjax.cli", "serve", args.model, "--port", str(port), "--stream-interval", "1",
+           *server_args(args)]
+    runs = []
+    with tempfile.NamedTemporaryFile("w", prefix="bench-client-", suffix=".log", delete=False) as log, \
+            server_process(cmd, url, log) as server:
+        warm = [{"prompt": rng.integers(1, 50, args.input_len).tolist(), "max_tokens": 8, "ignore_eos": True}
+                for _ in range(min(args.concurrency, 64))]
+        run_one("aiohttp", url, server.pid, warm, args.concurrency)  # compiles the server's step shapes
+        for round_ in range(args.rounds):
+            for kind in CLIENTS if round_ % 2 == 0 else CLIENTS[::-1]:
+                print(f"round {round_ + 1}/{args.rounds}: {kind} (server log: {log.name})", flush=True)
+                payloads = [{"prompt": rng.integers(1, 50, args.input_len).tolist(), "max_tokens": args.output_len,
+                             "ignore_eos": True} for _ in range(args.num_prompts)]
+                runs.append(run_one(kind, url, server.pid, payloads, args.concurrency))
+                print(f"  {runs[-1]['tok_s']:.0f} tok/s, client {runs[-1]['client_us_per_event']:.1f} µs per event",
+                      flush=True)
+    rows = [{k: statistics.median(r[k] for r in runs if r["client"] == kind) for k in
+             ("tok_s", "client_us_per_event", "server_us_per_token", "events")} | {"client": kind} for kind in CLIENTS]
+    out = results_dir(quick=args.quick)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(rows, runs, out / "bench_client.png")
+    before, after = rows
+    findings = [change(what, before[key], after[key], unit, digits, tolerance=0.05) for what, key, unit, digits in (
+        ("the client's CPU per SSE event", "client_us_per_event", "µs", 1),
+        ("the measured output throughput", "tok_s", "tok/s", 0),
+        ("the server's CPU per output token", "server_us_per_token", "µs", 1))]
+    columns = [("client", "client", ""), ("client_us_per_event", "client CPU µs / event", ".1f"),
+               ("tok_s", "output tok/s", ".0f"), ("server_us_per_token", "server CPU µs / token", ".1f"),
+               ("events", "events per run", ".0f")]
+    command = " ".join(["python experiments/bench_client.py", *sys.argv[1:]])
+    body = (f"`{command}`\n\n"
+            f"One `llmjax serve {args.model} --stream-interval 1`; per run, {args.num_prompts} streamed completions of "
+            f"{args.input_len} prompt and {args.output_len} output tokens, {args.concurrency} in flight, through httpx "
+            "or through `llmjax bench`'s aiohttp streams, in alternating order; medians over "
+            f"{args.rounds} round(s) (every run is in the JSON).\n\n{table(rows, columns)}\n\n"
+            f"From httpx to aiohttp: {'; '.join(findings)}. A change within 5% counts as none.\n\n"
+            "![client CPU, throughput, server CPU](bench_client.png)")
+    write_report("bench_client", "The bench client's cost", body, {"args": vars(args), "runs": runs, "rows": rows},
+                 out)
+
+
+if __name__ == "__main__":
+    main()
