@@ -32,6 +32,7 @@ call issued right after a device step against the same call issued back to back,
 right after a device step against right after another fetch.
 
     python experiments/host_overhead.py [--concurrency 64,256,1024] [--steps 10] [--blocks 16] [--quick]
+        [--out-name host_overhead]
 """
 
 from __future__ import annotations
@@ -225,6 +226,8 @@ def main() -> None:
                     "(16: the hidden share is a median over 16 pairs; one pair ranges widely on a shared machine)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 64 and 256, 2 blocks of 5 steps; written to "
                     "build/results-quick/")
+    ap.add_argument("--out-name", default="host_overhead", help="results/<name>.md|json|png (another machine's run "
+                    "keeps its own)")
     args = ap.parse_args()
     if args.quick:
         args.concurrency, args.steps, args.blocks = "64,256", 5, 2
@@ -300,7 +303,7 @@ def main() -> None:
             f"{'met' if r['hidden'] >= TARGET_HIDDEN else 'not met'}).")
     body = "\n".join([
         f"`python experiments/host_overhead.py --concurrency {args.concurrency} --steps {args.steps} "
-        f"--blocks {args.blocks}`", "",
+        f"--blocks {args.blocks} --out-name {args.out_name}`", "",
         "Steady decode steps of `tiny-gqa` (random weights, 4 layers, hidden 256): seconds per step by phase, "
         f"the median over {args.blocks} blocks of {args.steps} steps, a synchronous and an asynchronous engine "
         "timed in alternating blocks. Outputs: `delta`, one delta output per request "
@@ -324,12 +327,12 @@ def main() -> None:
         "(as the engine issues it) and issued back to back, queued behind that call (its code and data in "
         "cache); and in the fetch of a step's results right after the device finished it and right after "
         "another fetch.", "",
-        *cache_lines, "", *hot_findings, "", "![host time per step](host_overhead.png)",
+        *cache_lines, "", *hot_findings, "", f"![host time per step]({args.out_name}.png)",
     ])
     out = results_dir(args.quick)
     out.mkdir(parents=True, exist_ok=True)
-    plot(rows, out / "host_overhead.png")
-    write_results(out, "host_overhead", "# Host overhead per step\n\n" + body,
+    plot(rows, out / f"{args.out_name}.png")
+    write_results(out, args.out_name, "# Host overhead per step\n\n" + body,
                   {"rows": rows, "cache_effect": caches, "args": vars(args),
                    "targets": {"host_ms": TARGET_HOST_MS, "hidden": TARGET_HIDDEN}})
     print(body)
