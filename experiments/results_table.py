@@ -210,7 +210,7 @@ def bench_client(d: dict, n: Numbers) -> str:
             f"of a tiny model, one event per token: client CPU per SSE event {n(old['client_us_per_event'], '.0f')} -> "
             f"{n(new['client_us_per_event'], '.0f')} us; measured output {n(old['tok_s'], '.0f')} -> "
             f"{n(new['tok_s'], '.0f')} tok/s ({n.ratio(new['tok_s'], old['tok_s'])}x), the client having taken "
-            "that CPU from the server on this 2-core machine")
+            "that CPU from the server it shares the machine with")
 
 
 def batching(d: dict, n: Numbers) -> str:
@@ -285,6 +285,7 @@ ROWS: list[tuple[str, str, Formatter]] = [
     ("[load](results/load.md)", "results/load.json", load),
     ("[kv_bookkeeping](results/kv_bookkeeping.md)", "results/kv_bookkeeping.json", kv_bookkeeping),
     ("[host_overhead](results/host_overhead.md)", "results/host_overhead.json", host_overhead),
+    ("[host_overhead, AMD EPYC](results/host_overhead_epyc.md)", "results/host_overhead_epyc.json", host_overhead),
     ("[stream_interval](results/stream_interval.md)", "results/stream_interval.json", stream_interval),
     ("[bench_client](results/bench_client.md)", "results/bench_client.json", bench_client),
     ("[kernel_bench](results/gpu/kernel_bench.md) (GPU)", "results/gpu/kernel_bench.json", kernel_bench),
