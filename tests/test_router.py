@@ -23,7 +23,7 @@ import time
 import httpx
 import pytest
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llmjax.serve.api import build_app
 from llmjax.serve.cluster import replica_pids
@@ -218,6 +218,49 @@ def test_tenants_are_routed_apart_and_each_sticks_to_its_worker():
         assert sorted(first) == ["a", "b"]  # the second tenant does not follow the first one's text
         assert [served(t, system + f"q{i}") for i in (1, 2) for t in ("tenant-1", "tenant-2")] == first * 2
 
+
+
+def test_a_worker_that_fails_mid_stream_ends_the_relayed_stream_with_an_error_event():
+    app = FastAPI()
+
+    async def broken_events():
+        yield b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+        raise RuntimeError("the worker died")  # the server drops the connection mid-body
+
+    app.add_api_route("/health", lambda: Response(status_code=200))
+    app.add_api_route("/v1/completions", lambda: StreamingResponse(broken_events(), media_type="text/event-stream"),
+                      methods=["POST"])
+    with running_server(app) as url, running_server(build_router_app([url], RoundRobin(), 3600)) as router:
+        r = httpx.post(f"{router}/v1/completions", json={"prompt": "x", "stream": True}, timeout=TIMEOUT)
+        events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: ")]
+        assert r.status_code == 200 and events[-1] == "[DONE]", r.text
+        assert json.loads(events[0])["choices"][0]["text"] == "a"
+        assert "worker failed mid-stream" in json.loads(events[1])["error"]["message"], r.text
+        [worker] = httpx.get(f"{router}/workers", timeout=TIMEOUT).json()
+        assert worker["up"] and worker["in_flight"] == 0
+
+
+def test_a_client_that_leaves_a_stream_through_the_router_aborts_it_on_the_worker(replicas):
+    urls, _ = replicas
+    max_tokens = 110  # long enough that only an abort ends it early
+
+    async def leave_after_two_events(router: str) -> str:
+        body = {**GREEDY, "prompt": "a long story: ", "max_tokens": max_tokens, "stream": True}
+        async with httpx.AsyncClient(base_url=router, timeout=TIMEOUT) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                events = 0
+                async for line in r.aiter_lines():
+                    events += line.startswith("data: ")
+                    if events == 2:
+                        return r.headers["x-llmjax-worker"]  # leaving the block drops the connection
+        raise AssertionError("the stream ended before its second event")
+
+    with running_server(build_router_app(urls, RoundRobin(), 3600)) as router:
+        before = {u: metrics(u)["llmjax:generation_tokens_total"] for u in urls}
+        worker = asyncio.run(leave_after_two_events(router))
+        wait_for(lambda: metrics(worker)["llmjax:num_requests_running"] == 0)
+        assert metrics(worker)["llmjax:generation_tokens_total"] - before[worker] < max_tokens
+        wait_for(lambda: httpx.get(f"{router}/workers", timeout=TIMEOUT).json()[urls.index(worker)]["in_flight"] == 0)
 
 # --- poison requests, a killed replica ----------------------------------------------------------------------------
 POISON = [

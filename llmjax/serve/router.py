@@ -29,6 +29,10 @@
 
 Threads: everything (handlers, the health task, the policy, the worker table) runs on the app's
 event loop, so nothing is locked; the policy is not thread-safe and must stay there.
+
+The workers are reached through one aiohttp session, made when the app starts (C parsers; a pool
+that finds a free connection without scanning all of them). What relaying costs, against the
+replica direct: `experiments/router_overhead.py`.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any, AsyncIterator, Callable
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
@@ -102,14 +106,16 @@ class _WorkerFailed(Exception):
 
 class _Relay(StreamingResponse):
     """Relays a worker's response from its first chunk on; however the relay ends (done, client
-    gone, worker failed), it closes the worker's response and calls `on_close`."""
+    gone, worker failed), it lets go of the worker's response (its connection goes back to the pool
+    when the body was read to the end, and is closed otherwise, so the worker sees the client go)
+    and calls `on_close`."""
 
-    def __init__(self, upstream: httpx.Response, first: bytes, rest: AsyncIterator[bytes], worker_url: str,
+    def __init__(self, upstream: aiohttp.ClientResponse, first: bytes, rest: AsyncIterator[bytes], worker_url: str,
                  on_close: Callable[[], None]):
         headers = {"x-llmjax-worker": worker_url}
         if "content-type" in upstream.headers:
             headers["content-type"] = upstream.headers["content-type"]
-        super().__init__(self._chunks(first, rest), status_code=upstream.status_code, headers=headers)
+        super().__init__(self._chunks(first, rest), status_code=upstream.status, headers=headers)
         self.upstream, self.worker_url, self.on_close = upstream, worker_url, on_close
         self.sse = headers.get("content-type", "").startswith("text/event-stream")
 
@@ -118,7 +124,7 @@ class _Relay(StreamingResponse):
         try:
             async for chunk in rest:
                 yield chunk
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             log.warning("worker %s failed mid-response: %r", self.worker_url, exc)
             if self.sse:
                 error = error_body(f"worker failed mid-stream: {exc!r}", "internal_server_error", code=502)
@@ -128,8 +134,16 @@ class _Relay(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.upstream.aclose()
+            _let_go(self.upstream)
             self.on_close()
+
+
+def _let_go(upstream: aiohttp.ClientResponse) -> None:
+    """Back to the pool when its body was read to the end; closed (the worker sees a disconnect) otherwise."""
+    if upstream.content.at_eof():
+        upstream.release()
+    else:
+        upstream.close()
 
 
 class _WorkerCollector:
@@ -157,10 +171,7 @@ class Router:
         self.health_check_interval = health_check_interval
         self.health_check_timeout = health_check_timeout
         self.health_failure_threshold = health_failure_threshold
-        # Idle connections are dropped before the replicas' keep-alive (`--timeout-keep-alive`, 5 s by
-        # default) closes them under us; a request that fails before its first byte is retried anyway.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=health_check_timeout), limits=limits)
+        self.session: aiohttp.ClientSession | None = None  # made by `start`, on the app's event loop
         self._health_task: asyncio.Task | None = None
         self.registry = CollectorRegistry()
         self.registry.register(_WorkerCollector(self.workers))
@@ -175,7 +186,12 @@ class Router:
 
     # --- health ---------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Check every worker once, then keep checking in the background."""
+        """Open the session, check every worker once, then keep checking in the background."""
+        # Idle connections are dropped before the replicas' keep-alive (`--timeout-keep-alive`, 5 s by
+        # default) closes them under us; a request that fails before its first byte is retried anyway.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, timeout=aiohttp.ClientTimeout(
+            total=None, connect=self.health_check_timeout))
         await self.check_all()
         self._health_task = asyncio.create_task(self._health_loop())
 
@@ -184,7 +200,8 @@ class Router:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
-        await self.client.aclose()
+        if self.session is not None:
+            await self.session.close()
 
     async def _health_loop(self) -> None:
         while True:
@@ -196,9 +213,10 @@ class Router:
 
     async def _check(self, worker: WorkerState) -> None:
         try:
-            r = await self.client.get(f"{worker.url}/health", timeout=self.health_check_timeout)
-            problem = "" if r.status_code == 200 else f"/health {r.status_code}: {r.text[:200]}"
-        except httpx.HTTPError as exc:
+            async with self.session.get(f"{worker.url}/health",
+                                        timeout=aiohttp.ClientTimeout(total=self.health_check_timeout)) as r:
+                problem = "" if r.status == 200 else f"/health {r.status}: {(await r.text())[:200]}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             problem = f"/health failed: {exc!r}"
         if not problem:
             if not worker.up:
@@ -266,8 +284,7 @@ class Router:
         response, or None when the client left first. `_WorkerFailed` (nothing relayed yet) when
         the worker cannot be reached, drops the connection or answers 503."""
         headers = {"content-type": request.headers.get("content-type", "application/json")}
-        upstream_request = self.client.build_request(request.method, worker.url + path, content=body, headers=headers)
-        opening = asyncio.ensure_future(self._first_byte(upstream_request, path))
+        opening = asyncio.ensure_future(self._first_byte(request.method, worker.url, path, body, headers))
         watch = asyncio.ensure_future(wait_for_disconnect(request))
         try:
             await asyncio.wait({opening, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -281,20 +298,20 @@ class Router:
                 opening.cancel()
                 await asyncio.wait({opening})  # it closes its response
 
-    async def _first_byte(self, upstream_request: httpx.Request, path: str):
+    async def _first_byte(self, method: str, worker_url: str, path: str, body: bytes, headers: dict[str, str]):
         try:
-            upstream = await self.client.send(upstream_request, stream=True)
-        except httpx.TransportError as exc:
-            down = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+            upstream = await self.session.request(method, worker_url + path, data=body, headers=headers)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            down = isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
             raise _WorkerFailed(f"{path} failed: {exc!r}", down) from exc
         try:
-            if upstream.status_code == 503:
-                raise _WorkerFailed(f"{path} 503: {(await upstream.aread())[:200]!r}", down=False)
-            rest = upstream.aiter_raw()
+            if upstream.status == 503:
+                raise _WorkerFailed(f"{path} 503: {(await upstream.read())[:200]!r}", down=False)
+            rest = upstream.content.iter_any()
             return upstream, await anext(rest, b""), rest
         except BaseException as exc:
-            await upstream.aclose()
-            if isinstance(exc, httpx.TransportError):
+            _let_go(upstream)
+            if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)):
                 raise _WorkerFailed(f"{path} failed before the body: {exc!r}", down=False) from exc
             raise
 

@@ -1,0 +1,134 @@
+"""Router overhead: what relaying streams through `llmjax router` costs, against the replica direct.
+
+Starts `llmjax cluster MODEL --replicas 1` (a subprocess: the router in the main process, the
+replica in a child; a tiny random-weight model by default, so the host's work per token dominates)
+and runs `llmjax bench`'s random workload from this process, in alternating order over `--rounds`
+rounds, through the router and straight to the replica: `--num-prompts` streamed completions of
+`--input-len` prompt and `--output-len` output tokens, `--concurrency` in flight,
+`--stream-interval 1` (an SSE event per token: the router relays every one).
+
+Measured per run: output tokens per second, TTFT and TPOT p50, and the router process's CPU time
+per output token (from /proc; the replica's process is not in it). On this machine the router
+shares the cores with the replica and the client, so its CPU is taken from them.
+
+Usage: python experiments/router_overhead.py            (3 rounds; ~3 min)
+       python experiments/router_overhead.py --quick    (smoke run into build/results-quick/)
+Writes results/router_overhead.md, .json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from common import change, free_port, results_dir, server_process, table, write_report  # experiments/common.py
+from stream_interval import cpu_seconds, server_args  # experiments/stream_interval.py
+
+from llmjax.bench import add_bench_args, run_bench  # noqa: E402
+
+PATHS = ("direct", "router")
+
+
+def bench(url: str, args: argparse.Namespace, num_prompts: int, output_len: int) -> dict:
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    summary = run_bench(parser.parse_args([
+        "--base-url", url, "--num-prompts", str(num_prompts), "--random-input-len", str(args.input_len),
+        "--random-output-len", str(output_len), "--max-concurrency", str(args.concurrency), "--seed", str(args.seed)]))
+    if summary["failed"]:
+        raise SystemExit(f"{url}: {summary['failed']} requests failed: {summary['errors']}")
+    return summary
+
+
+def run_one(path: str, urls: dict[str, str], router_pid: int, args: argparse.Namespace) -> dict:
+    before = cpu_seconds(router_pid)
+    summary = bench(urls[path], args, args.num_prompts, args.output_len)
+    router_cpu = cpu_seconds(router_pid) - before
+    return {"path": path, "tok_s": summary["output_throughput"], "ttft_p50_ms": summary["ttft_ms"]["p50"],
+            "tpot_p50_ms": summary["tpot_ms"]["p50"],
+            "router_us_per_token": 1e6 * router_cpu / summary["total_output_tokens"]}
+
+
+def plot(rows: list[dict], runs: list[dict], path: Path) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    for ax, key, label in zip(axes, ("tok_s", "tpot_p50_ms", "router_us_per_token"),
+                              ("output tokens / s", "TPOT p50 (ms)", "router CPU µs per output token")):
+        ax.bar(range(len(rows)), [r[key] for r in rows], color=["tab:gray", "tab:blue"], alpha=0.7, label="median")
+        for i, row in enumerate(rows):
+            mine = [r[key] for r in runs if r["path"] == row["path"]]
+            ax.plot([i] * len(mine), mine, "k.", label="runs" if i == 0 else None)
+        ax.set_xticks(range(len(rows)), [r["path"] for r in rows])
+        ax.set(title=label, ylim=(0, None))
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny-gqa")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=384)
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="smoke run: one round, 32 streams of 16 tokens; "
+                    "written to build/results-quick/")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.num_prompts, args.concurrency, args.output_len = 1, 32, 32, 16
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    port, replica_port = free_port(), free_port()
+    urls = {"router": f"http://127.0.0.1:{port}", "direct": f"http://127.0.0.1:{replica_port}"}
+    cmd = [sys.executable, "-m", "llmjax.cli", "cluster", args.model, "--replicas", "1", "--port", str(port),
+           "--replica-base-port", str(replica_port), "--stream-interval", "1", *server_args(args)]
+    runs = []
+    with tempfile.NamedTemporaryFile("w", prefix="router-overhead-", suffix=".log", delete=False) as log, \
+            server_process(cmd, urls["router"], log) as router:
+        print(f"warm-up through the router (cluster log: {log.name})", flush=True)
+        bench(urls["router"], args, min(args.concurrency, 64), 8)
+        for round_ in range(args.rounds):
+            for path in PATHS if round_ % 2 == 0 else PATHS[::-1]:
+                print(f"round {round_ + 1}/{args.rounds}: {path}", flush=True)
+                runs.append(run_one(path, urls, router.pid, args))
+    rows = [{k: statistics.median(r[k] for r in runs if r["path"] == path) for k in
+             ("tok_s", "ttft_p50_ms", "tpot_p50_ms", "router_us_per_token")} | {"path": path} for path in PATHS]
+    direct, routed = rows
+    for row in rows:
+        row["vs_direct"] = row["tok_s"] / direct["tok_s"]
+    out = results_dir(quick=args.quick)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(rows, runs, out / "router_overhead.png")
+    findings = [change(what, direct[key], routed[key], unit, digits, tolerance=0.05) for what, key, unit, digits in (
+        ("output throughput", "tok_s", "tok/s", 0), ("TPOT p50", "tpot_p50_ms", "ms", 1),
+        ("TTFT p50", "ttft_p50_ms", "ms", 0))]
+    columns = [("path", "path", ""), ("tok_s", "output tok/s", ".0f"), ("vs_direct", "vs direct", ".2f"),
+               ("ttft_p50_ms", "TTFT p50 ms", ".0f"), ("tpot_p50_ms", "TPOT p50 ms", ".1f"),
+               ("router_us_per_token", "router CPU µs / token", ".1f")]
+    command = " ".join(["python experiments/router_overhead.py", *sys.argv[1:]])
+    body = (f"`{command}`\n\n"
+            f"`llmjax cluster {args.model} --replicas 1 --stream-interval 1`; per run, {args.num_prompts} streamed "
+            f"completions of {args.input_len} prompt and {args.output_len} output tokens, {args.concurrency} in "
+            "flight, through the router or straight to the replica, in alternating order; medians over "
+            f"{args.rounds} round(s) (every run is in the JSON).\n\n{table(rows, columns)}\n\n"
+            f"Through the router instead of direct: {'; '.join(findings)}; the router spends "
+            f"{routed['router_us_per_token']:.1f} µs of CPU per relayed token. A change within 5% counts as none.\n\n"
+            "![throughput, TPOT, router CPU](router_overhead.png)")
+    write_report("router_overhead", "Router overhead on streams", body, {"args": vars(args), "runs": runs,
+                                                                        "rows": rows}, out)
+
+
+if __name__ == "__main__":
+    main()
