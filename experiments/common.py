@@ -247,6 +247,19 @@ def plot_timeline(ax, replay: Replay, request_ids: list[str], title: str, t_max:
         ax.set_xlim(0, t_max)
 
 
+def bars_with_runs(ax, rows: list[dict], runs: list[dict], group: str, key: str, title: str) -> None:
+    """One panel: a bar per row (its median `key`, labelled by its `group` field) and a dot per run of
+    that group, so the spread over the runs shows next to the median."""
+    ax.bar(range(len(rows)), [r[key] for r in rows], color=["tab:gray", "tab:blue", "tab:orange"][: len(rows)],
+           alpha=0.7, label="median")
+    for i, row in enumerate(rows):
+        mine = [r[key] for r in runs if r[group] == row[group]]
+        ax.plot([i] * len(mine), mine, "k.", label="runs" if i == 0 else None)
+    ax.set_xticks(range(len(rows)), [r[group] for r in rows])
+    ax.set(title=title, ylim=(0, None))
+    ax.grid(axis="y", alpha=0.3)
+
+
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     """Markdown table; columns: (key, header, format)."""
     lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",

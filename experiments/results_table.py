@@ -213,6 +213,16 @@ def bench_client(d: dict, n: Numbers) -> str:
             "that CPU from the server it shares the machine with")
 
 
+def router_overhead(d: dict, n: Numbers) -> str:
+    rows = {r["path"]: r for r in d["rows"]}
+    direct, routed = rows["direct"], rows["router"]
+    return (f"{n(d['args']['concurrency'], 'd')} concurrent streams of a tiny model, one event per token, through "
+            f"`llmjax router` to one replica: {n(routed['tok_s'], '.0f')} output tok/s against "
+            f"{n(direct['tok_s'], '.0f')} direct ({n(routed['vs_direct'], '.2f')}x); TPOT p50 "
+            f"{n(routed['tpot_p50_ms'], '.1f')} against {n(direct['tpot_p50_ms'], '.1f')} ms; the router's CPU "
+            f"{n(routed['router_us_per_token'], '.0f')} us per relayed token")
+
+
 def batching(d: dict, n: Numbers) -> str:
     cpu, sim = d["cpu"], d["sim"]
     return (f"simulated A100/OPT-13B: continuous batching {n(sim[2]['speedup'], '.2f')}x static's tokens/s, p50 TTFT "
@@ -288,6 +298,7 @@ ROWS: list[tuple[str, str, Formatter]] = [
     ("[host_overhead, AMD EPYC](results/host_overhead_epyc.md)", "results/host_overhead_epyc.json", host_overhead),
     ("[stream_interval](results/stream_interval.md)", "results/stream_interval.json", stream_interval),
     ("[bench_client](results/bench_client.md)", "results/bench_client.json", bench_client),
+    ("[router_overhead](results/router_overhead.md)", "results/router_overhead.json", router_overhead),
     ("[kernel_bench](results/gpu/kernel_bench.md) (GPU)", "results/gpu/kernel_bench.json", kernel_bench),
     ("[triton_sm90](results/triton_sm90.md) (GPU kernels compiled offline)", "results/triton_sm90.json", triton_sm90),
     ("[batching](results/batching.md)", "results/batching.json", batching),

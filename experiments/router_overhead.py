@@ -29,7 +29,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from common import change, free_port, results_dir, server_process, table, write_report  # experiments/common.py
+from common import (bars_with_runs, change, free_port, results_dir, server_process, table,  # experiments/common.py
+                    write_report)
 from stream_interval import cpu_seconds, server_args  # experiments/stream_interval.py
 
 from llmjax.bench import add_bench_args, run_bench  # noqa: E402
@@ -61,13 +62,7 @@ def plot(rows: list[dict], runs: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
     for ax, key, label in zip(axes, ("tok_s", "tpot_p50_ms", "router_us_per_token"),
                               ("output tokens / s", "TPOT p50 (ms)", "router CPU µs per output token")):
-        ax.bar(range(len(rows)), [r[key] for r in rows], color=["tab:gray", "tab:blue"], alpha=0.7, label="median")
-        for i, row in enumerate(rows):
-            mine = [r[key] for r in runs if r["path"] == row["path"]]
-            ax.plot([i] * len(mine), mine, "k.", label="runs" if i == 0 else None)
-        ax.set_xticks(range(len(rows)), [r["path"] for r in rows])
-        ax.set(title=label, ylim=(0, None))
-        ax.grid(axis="y", alpha=0.3)
+        bars_with_runs(ax, rows, runs, "path", key, label)
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
