@@ -36,9 +36,8 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from common import (bars_with_runs, change, free_port, results_dir, server_process, table,  # experiments/common.py
-                    write_report)
-from stream_interval import cpu_seconds, server_args  # experiments/stream_interval.py
+from common import (add_stream_args, bars_with_runs, change, cpu_seconds, free_port,  # experiments/common.py
+                    results_dir, server_process, stream_server_args, table, write_report)
 
 from llmjax.bench import RequestResult, stream_completion, stream_session  # noqa: E402
 
@@ -48,25 +47,13 @@ CLIENTS = ("httpx", "aiohttp")
 async def httpx_stream(client: httpx.AsyncClient, payload: dict) -> RequestResult:
     """`stream_completion` on httpx: the same request, parsing and timing, its errors aside."""
     payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
-    result, start, last = RequestResult(), time.perf_counter(), None
+    result, start = RequestResult(), time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=payload) as response:
         async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            now = time.perf_counter()
-            for choice in chunk["choices"]:
-                if last is None:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-                result.text += choice["text"]
-            if chunk.get("usage"):
-                result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                result.output_tokens = chunk["usage"]["completion_tokens"]
+            if line.startswith("data: ") and line != "data: [DONE]":
+                result.add_event(json.loads(line[6:]), start)
     result.latency = time.perf_counter() - start
-    result.ok = last is not None and response.status_code == 200
+    result.ok = result.last_event is not None and response.status_code == 200
     return result
 
 
@@ -118,13 +105,7 @@ def plot(rows: list[dict], runs: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny-gqa")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--num-prompts", type=int, default=384)
-    ap.add_argument("--concurrency", type=int, default=256)
-    ap.add_argument("--input-len", type=int, default=16)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
+    add_stream_args(ap, num_prompts=384)
     ap.add_argument("--quick", action="store_true", help="smoke run: one round, 32 streams of 16 tokens; "
                     "written to build/results-quick/")
     args = ap.parse_args()
@@ -136,7 +117,7 @@ def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "llmjax.cli", "serve", args.model, "--port", str(port), "--stream-interval", "1",
-           *server_args(args)]
+           *stream_server_args(args)]
     runs = []
     with tempfile.NamedTemporaryFile("w", prefix="bench-client-", suffix=".log", delete=False) as log, \
             server_process(cmd, url, log) as server:

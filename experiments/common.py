@@ -10,11 +10,19 @@ then steps. JIT compilation would stall the clock, so (1) `warm_engine` compiles
 the trace needs first (found by replaying it in the simulator, as `paper_repro/radix_hit_rate.py`
 does), and (2) any step that still compiles is cut out of the clock: its duration is subtracted from
 every later timestamp and arrival (`Replay.compiles` counts them; normally 0).
+
+For the experiments that load a server in a subprocess (`stream_interval.py`, `bench_client.py`,
+`router_overhead.py`, `load.py`, `routing.py`): `free_port`, `server_process` (start it, wait for
+its `/health`, stop it), `add_stream_args` / `stream_server_args` (a streamed workload's flags and
+the server's, sized for it), `cpu_seconds` (a process's or thread's CPU time from /proc); and
+`bars_with_runs`, a panel of medians with every run's value.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -28,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `python experiments/x.py` finds llmjax and paper_repro
 
-from llmjax.config import EngineConfig  # noqa: E402
+from llmjax.config import PRESETS, EngineConfig  # noqa: E402
 from llmjax.kv.manager import KVCacheManager  # noqa: E402
 from llmjax.provenance import results_dir, write_results  # noqa: E402
 from llmjax.sampling_params import SamplingParams  # noqa: E402
@@ -270,6 +278,43 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
 
 
 # --- servers in subprocesses --------------------------------------------------------------------------
+STREAM_BLOCK_SIZE = 16
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU seconds of process `pid`, or of its thread `tid` (from /proc)."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime: fields 14 and 15 of stat(5)
+
+
+def stream_server_args(args: argparse.Namespace) -> list[str]:
+    """Flags of `llmjax serve` (or `cluster`) for `add_stream_args`' workload: a slot and room in the KV
+    pool for every stream (`--kv-cache-memory` only for a preset, whose bytes per token are known here,
+    counted in float32 so that any KV dtype fits; another model gets the server's default pool)."""
+    max_len = max(args.input_len + args.output_len, 2 * args.output_len)  # the bench caps outputs at half of it
+    flags = ["--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(max(512, 2 * args.concurrency)),
+             "--max-model-len", str(max_len), "--block-size", str(STREAM_BLOCK_SIZE), "--uvicorn-log-level", "warning"]
+    if args.model in PRESETS:
+        blocks = args.concurrency * -(-max_len // STREAM_BLOCK_SIZE) + 1  # + the null block
+        flags += ["--kv-cache-memory", str(blocks * STREAM_BLOCK_SIZE * PRESETS[args.model].kv_bytes_per_token(4))]
+    return flags
+
+
+def add_stream_args(ap: argparse.ArgumentParser, num_prompts: int) -> None:
+    """The flags of a streamed-serving experiment: a model served by a fresh server, rounds of
+    `--num-prompts` streamed completions of `--input-len` + `--output-len` tokens, `--concurrency`
+    in flight (`stream_server_args` sizes the server for them)."""
+    ap.add_argument("--model", default="tiny-gqa")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=num_prompts)
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:

@@ -29,9 +29,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from common import (bars_with_runs, change, free_port, results_dir, server_process, table,  # experiments/common.py
-                    write_report)
-from stream_interval import cpu_seconds, server_args  # experiments/stream_interval.py
+from common import (add_stream_args, bars_with_runs, change, cpu_seconds, free_port,  # experiments/common.py
+                    results_dir, server_process, stream_server_args, table, write_report)
 
 from llmjax.bench import add_bench_args, run_bench  # noqa: E402
 
@@ -71,13 +70,7 @@ def plot(rows: list[dict], runs: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny-gqa")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--num-prompts", type=int, default=384)
-    ap.add_argument("--concurrency", type=int, default=256)
-    ap.add_argument("--input-len", type=int, default=16)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
+    add_stream_args(ap, num_prompts=384)
     ap.add_argument("--quick", action="store_true", help="smoke run: one round, 32 streams of 16 tokens; "
                     "written to build/results-quick/")
     args = ap.parse_args()
@@ -88,7 +81,7 @@ def main() -> None:
     port, replica_port = free_port(), free_port()
     urls = {"router": f"http://127.0.0.1:{port}", "direct": f"http://127.0.0.1:{replica_port}"}
     cmd = [sys.executable, "-m", "llmjax.cli", "cluster", args.model, "--replicas", "1", "--port", str(port),
-           "--replica-base-port", str(replica_port), "--stream-interval", "1", *server_args(args)]
+           "--replica-base-port", str(replica_port), "--stream-interval", "1", *stream_server_args(args)]
     runs = []
     with tempfile.NamedTemporaryFile("w", prefix="router-overhead-", suffix=".log", delete=False) as log, \
             server_process(cmd, urls["router"], log) as router:

@@ -24,7 +24,6 @@ Writes results/stream_interval.md, .json and .png.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -36,41 +35,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from common import change, free_port, results_dir, server_process, table, write_report  # experiments/common.py
+from common import (add_stream_args, change, cpu_seconds, free_port, results_dir,  # experiments/common.py
+                    server_process, stream_server_args, table, write_report)
 
 from llmjax.bench import add_bench_args, run_bench  # noqa: E402
-from llmjax.config import PRESETS  # noqa: E402
-
-BLOCK_SIZE = 16
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int, tid: int | None = None) -> float:
-    """User + system CPU seconds of process `pid`, or of its thread `tid` (from /proc)."""
-    path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
-    fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime: fields 14 and 15 of stat(5)
-
-
-def server_args(args: argparse.Namespace) -> list[str]:
-    """Flags of the server: a slot and room in the KV pool for every stream (`--kv-cache-memory` only for
-    a preset, whose bytes per token are known here, counted in float32 so that any KV dtype fits; another
-    model gets the server's default pool)."""
-    max_len = max(args.input_len + args.output_len, 2 * args.output_len)  # the bench caps outputs at half of it
-    flags = ["--max-num-seqs", str(args.concurrency), "--max-num-batched-tokens", str(max(512, 2 * args.concurrency)),
-             "--max-model-len", str(max_len), "--block-size", str(BLOCK_SIZE), "--uvicorn-log-level", "warning"]
-    if args.model in PRESETS:
-        blocks = args.concurrency * -(-max_len // BLOCK_SIZE) + 1  # + the null block
-        flags += ["--kv-cache-memory", str(blocks * BLOCK_SIZE * PRESETS[args.model].kv_bytes_per_token(4))]
-    return flags
-
 
 def run_one(args: argparse.Namespace, interval: int, log) -> dict:
     """One fresh server at `interval`, one bench against it; the run's figures."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "llmjax.cli", "serve", args.model, "--port", str(port), "--stream-interval",
-           str(interval), *server_args(args), *args.server_args]
+           str(interval), *stream_server_args(args), *args.server_args]
     with server_process(cmd, url, log) as server:
         parser = argparse.ArgumentParser()
         add_bench_args(parser)
@@ -128,14 +103,8 @@ def plot(rows: list[dict], runs: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny-gqa")
+    add_stream_args(ap, num_prompts=512)
     ap.add_argument("--intervals", default="1,2,4,8")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--num-prompts", type=int, default=512)
-    ap.add_argument("--concurrency", type=int, default=256)
-    ap.add_argument("--input-len", type=int, default=16)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: intervals 1 and 4, one round, 64 streams of "
                     "32 tokens; written to build/results-quick/")
     ap.add_argument("server_args", nargs="*", help="more flags for the server (after --)")

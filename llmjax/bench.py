@@ -60,6 +60,23 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     text: str = ""
+    last_event: float | None = None  # when the last chunk with a choice arrived
+
+    def add_event(self, chunk: dict, start: float) -> None:
+        """Fold in one SSE event, a parsed completion chunk received now (`start`: when the request
+        was sent): the first choice's arrival is the TTFT, each later one an ITL; the usage chunk
+        gives the token counts."""
+        now = time.perf_counter()
+        for choice in chunk["choices"]:
+            if self.last_event is None:
+                self.ttft = now - start
+            else:
+                self.itl.append(now - self.last_event)
+            self.last_event = now
+            self.text += choice["text"]
+        if chunk.get("usage"):
+            self.prompt_tokens = chunk["usage"]["prompt_tokens"]
+            self.output_tokens = chunk["usage"]["completion_tokens"]
 
     @property
     def tpot(self) -> float:
@@ -70,7 +87,7 @@ async def stream_completion(session: aiohttp.ClientSession, payload: dict) -> Re
     """POST a streamed `/v1/completions` request (usage included) through `session` (its base URL
     is the server's) and time its chunks."""
     payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
-    result, start, last = RequestResult(), time.perf_counter(), None
+    result, start = RequestResult(), time.perf_counter()
     try:
         async with session.post("/v1/completions", json=payload) as response:
             if response.status != 200:
@@ -83,22 +100,12 @@ async def stream_completion(session: aiohttp.ClientSession, payload: dict) -> Re
                 if "error" in chunk:
                     result.error = chunk["error"]["message"]
                     return result
-                now = time.perf_counter()
-                for choice in chunk["choices"]:
-                    if last is None:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    result.text += choice["text"]
-                if chunk.get("usage"):
-                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                result.add_event(chunk, start)
     except aiohttp.ClientError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     result.latency = time.perf_counter() - start
-    result.ok = last is not None
+    result.ok = result.last_event is not None
     result.error = "" if result.ok else "no output"
     return result
 
