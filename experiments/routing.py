@@ -63,7 +63,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
-from llmjax.bench import percentiles, run_jobs, summarize
+from llmjax.bench import percentiles, run_jobs, stream_session, summarize
 from llmjax.config import PRESETS, EngineConfig
 from llmjax.kv import KVCacheManager
 from llmjax.request import Request
@@ -164,9 +164,10 @@ async def serve_workload(url: str, args: argparse.Namespace) -> dict:
             return run
         return [job(t) for t in texts]
 
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None), limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None), limits=limits) as client, \
+            stream_session(url) as session:  # the completions, streamed as `llmjax bench` streams them
         workers = [w["url"] for w in (await client.get("/workers")).json()]
-        await run_jobs(client, jobs(warmup), len(warmup), math.inf, args.concurrency, args.seed)
+        await run_jobs(session, jobs(warmup), len(warmup), math.inf, args.concurrency, args.seed)
 
         async def scrape() -> list[dict[str, float]]:
             return [parse_metrics((await client.get(f"{w}/metrics")).text) for w in workers]
@@ -177,7 +178,7 @@ async def serve_workload(url: str, args: argparse.Namespace) -> dict:
         before, routed_before = await scrape(), await routed()
         samples: list[Sample] = []
         sampler = asyncio.create_task(sample_loads(client, workers, samples))
-        results, duration = await run_jobs(client, jobs(prompts), len(prompts), math.inf, args.concurrency, args.seed)
+        results, duration = await run_jobs(session, jobs(prompts), len(prompts), math.inf, args.concurrency, args.seed)
         sampler.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sampler
