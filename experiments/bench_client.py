@@ -23,23 +23,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import httpx
-import matplotlib
 import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from common import (add_stream_args, alternating, change, cpu_seconds, free_port,  # experiments/common.py
+                    medians_by, parse_stream_args, plot_bars, results_dir, server_process, stream_server_args,
+                    table, write_report)
 
-from common import (add_stream_args, bars_with_runs, change, cpu_seconds, free_port,  # experiments/common.py
-                    results_dir, server_process, stream_server_args, table, write_report)
-
-from llmjax.bench import RequestResult, stream_completion, stream_session  # noqa: E402
+from llmjax.bench import RequestResult, stream_completion, stream_session
 
 CLIENTS = ("httpx", "aiohttp")
 
@@ -92,27 +87,10 @@ def run_one(kind: str, url: str, server_pid: int, payloads: list[dict], concurre
             "server_us_per_token": 1e6 * (server1 - server0) / tokens}
 
 
-def plot(rows: list[dict], runs: list[dict], path: Path) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
-    for ax, key, label in zip(axes, ("client_us_per_event", "tok_s", "server_us_per_token"),
-                              ("client CPU µs per SSE event", "output tokens / s", "server CPU µs per output token")):
-        bars_with_runs(ax, rows, runs, "client", key, label)
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_stream_args(ap, num_prompts=384)
-    ap.add_argument("--quick", action="store_true", help="smoke run: one round, 32 streams of 16 tokens; "
-                    "written to build/results-quick/")
-    args = ap.parse_args()
-    if args.quick:
-        args.rounds, args.num_prompts, args.concurrency, args.output_len = 1, 32, 32, 16
-    if args.rounds < 1:
-        raise SystemExit("--rounds must be at least 1")
+    add_stream_args(ap, num_prompts=384, quick_help="one round, 32 streams of 16 tokens")
+    args = parse_stream_args(ap, quick=dict(rounds=1, num_prompts=32, concurrency=32, output_len=16))
     rng = np.random.default_rng(args.seed)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -124,19 +102,19 @@ def main() -> None:
         warm = [{"prompt": rng.integers(1, 50, args.input_len).tolist(), "max_tokens": 8, "ignore_eos": True}
                 for _ in range(min(args.concurrency, 64))]
         run_one("aiohttp", url, server.pid, warm, args.concurrency)  # compiles the server's step shapes
-        for round_ in range(args.rounds):
-            for kind in CLIENTS if round_ % 2 == 0 else CLIENTS[::-1]:
-                print(f"round {round_ + 1}/{args.rounds}: {kind} (server log: {log.name})", flush=True)
-                payloads = [{"prompt": rng.integers(1, 50, args.input_len).tolist(), "max_tokens": args.output_len,
-                             "ignore_eos": True} for _ in range(args.num_prompts)]
-                runs.append(run_one(kind, url, server.pid, payloads, args.concurrency))
-                print(f"  {runs[-1]['tok_s']:.0f} tok/s, client {runs[-1]['client_us_per_event']:.1f} µs per event",
-                      flush=True)
-    rows = [{k: statistics.median(r[k] for r in runs if r["client"] == kind) for k in
-             ("tok_s", "client_us_per_event", "server_us_per_token", "events")} | {"client": kind} for kind in CLIENTS]
+        for round_, kind in alternating(CLIENTS, args.rounds):
+            print(f"round {round_ + 1}/{args.rounds}: {kind} (server log: {log.name})", flush=True)
+            payloads = [{"prompt": rng.integers(1, 50, args.input_len).tolist(), "max_tokens": args.output_len,
+                         "ignore_eos": True} for _ in range(args.num_prompts)]
+            runs.append(run_one(kind, url, server.pid, payloads, args.concurrency))
+            print(f"  {runs[-1]['tok_s']:.0f} tok/s, client {runs[-1]['client_us_per_event']:.1f} µs per event",
+                  flush=True)
+    rows = medians_by(runs, "client", CLIENTS, ("tok_s", "client_us_per_event", "server_us_per_token", "events"))
     out = results_dir(quick=args.quick)
     out.mkdir(parents=True, exist_ok=True)
-    plot(rows, runs, out / "bench_client.png")
+    plot_bars(out / "bench_client.png", rows, runs, "client", [
+        ("client_us_per_event", "client CPU µs per SSE event"), ("tok_s", "output tokens / s"),
+        ("server_us_per_token", "server CPU µs per output token")])
     before, after = rows
     findings = [change(what, before[key], after[key], unit, digits, tolerance=0.05) for what, key, unit, digits in (
         ("the client's CPU per SSE event", "client_us_per_event", "µs", 1),

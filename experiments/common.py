@@ -14,8 +14,9 @@ every later timestamp and arrival (`Replay.compiles` counts them; normally 0).
 For the experiments that load a server in a subprocess (`stream_interval.py`, `bench_client.py`,
 `router_overhead.py`, `load.py`, `routing.py`): `free_port`, `server_process` (start it, wait for
 its `/health`, stop it), `add_stream_args` / `stream_server_args` (a streamed workload's flags and
-the server's, sized for it), `cpu_seconds` (a process's or thread's CPU time from /proc); and
-`bars_with_runs`, a panel of medians with every run's value.
+the server's, sized for it), `parse_stream_args`, `alternating` (the
+order of the runs over the rounds), `cpu_seconds` (a process's or thread's CPU time from /proc), and
+`medians_by` / `plot_bars` (medians per setting, drawn as bars with every run's value).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import contextlib
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -255,17 +257,38 @@ def plot_timeline(ax, replay: Replay, request_ids: list[str], title: str, t_max:
         ax.set_xlim(0, t_max)
 
 
-def bars_with_runs(ax, rows: list[dict], runs: list[dict], group: str, key: str, title: str) -> None:
-    """One panel: a bar per row (its median `key`, labelled by its `group` field) and a dot per run of
-    that group, so the spread over the runs shows next to the median."""
-    ax.bar(range(len(rows)), [r[key] for r in rows], color=["tab:gray", "tab:blue", "tab:orange"][: len(rows)],
-           alpha=0.7, label="median")
-    for i, row in enumerate(rows):
-        mine = [r[key] for r in runs if r[group] == row[group]]
-        ax.plot([i] * len(mine), mine, "k.", label="runs" if i == 0 else None)
-    ax.set_xticks(range(len(rows)), [r[group] for r in rows])
-    ax.set(title=title, ylim=(0, None))
-    ax.grid(axis="y", alpha=0.3)
+def medians_by(runs: list[dict], group: str, values: tuple, keys: tuple[str, ...]) -> list[dict]:
+    """A row per value of `group` (in the order of `values`): the median of each of `keys` over the
+    runs with that value, and how many runs there were (`runs`)."""
+    rows = []
+    for value in values:
+        mine = [r for r in runs if r[group] == value]
+        rows.append({k: statistics.median(r[k] for r in mine) for k in keys} | {group: value, "runs": len(mine)})
+    return rows
+
+
+def plot_bars(path: Path, rows: list[dict], runs: list[dict], group: str, panels: list[tuple[str, str]]) -> None:
+    """A PNG with a panel per (key, title) of `panels`: a bar per row (its median, labelled by its `group`
+    field) and a dot per run of that group, so the spread over the runs shows next to the median."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.8), squeeze=False)
+    for ax, (key, title) in zip(axes[0], panels):
+        ax.bar(range(len(rows)), [r[key] for r in rows], color=["tab:gray", "tab:blue", "tab:orange"][: len(rows)],
+               alpha=0.7, label="median")
+        for i, row in enumerate(rows):
+            mine = [r[key] for r in runs if r[group] == row[group]]
+            ax.plot([i] * len(mine), mine, "k.", label="runs" if i == 0 else None)
+        ax.set_xticks(range(len(rows)), [str(r[group]) for r in rows])
+        ax.set(title=title, ylim=(0, None))
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
@@ -302,10 +325,11 @@ def stream_server_args(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def add_stream_args(ap: argparse.ArgumentParser, num_prompts: int) -> None:
+def add_stream_args(ap: argparse.ArgumentParser, num_prompts: int, quick_help: str) -> None:
     """The flags of a streamed-serving experiment: a model served by a fresh server, rounds of
     `--num-prompts` streamed completions of `--input-len` + `--output-len` tokens, `--concurrency`
-    in flight (`stream_server_args` sizes the server for them)."""
+    in flight (`stream_server_args` sizes the server for them), and `--quick` (see `parse_stream_args`)."""
+    ap.add_argument("--quick", action="store_true", help=f"smoke run: {quick_help}; written to build/results-quick/")
     ap.add_argument("--model", default="tiny-gqa")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=num_prompts)
@@ -313,6 +337,25 @@ def add_stream_args(ap: argparse.ArgumentParser, num_prompts: int) -> None:
     ap.add_argument("--input-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+
+
+def parse_stream_args(ap: argparse.ArgumentParser, quick: dict) -> argparse.Namespace:
+    """Parse the flags of `add_stream_args` (and the script's own); with `--quick`, `quick`'s values
+    replace theirs. SystemExit unless there is at least one round."""
+    args = ap.parse_args()
+    if args.quick:
+        vars(args).update(quick)
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    return args
+
+
+def alternating(items: list | tuple, rounds: int) -> Iterator[tuple[int, object]]:
+    """(round, item) for every item of every round: in order in even rounds, reversed in odd ones, so
+    that a drift of the shared machine falls on every item alike."""
+    for round_ in range(rounds):
+        for item in items if round_ % 2 == 0 else items[::-1]:
+            yield round_, item
 
 
 def free_port() -> int:

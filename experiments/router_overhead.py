@@ -19,20 +19,15 @@ Writes results/router_overhead.md, .json and .png.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-from pathlib import Path
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from common import (add_stream_args, alternating, change, cpu_seconds, free_port,  # experiments/common.py
+                    medians_by, parse_stream_args, plot_bars, results_dir, server_process, stream_server_args,
+                    table, write_report)
 
-from common import (add_stream_args, bars_with_runs, change, cpu_seconds, free_port,  # experiments/common.py
-                    results_dir, server_process, stream_server_args, table, write_report)
-
-from llmjax.bench import add_bench_args, run_bench  # noqa: E402
+from llmjax.bench import add_bench_args, run_bench
 
 PATHS = ("direct", "router")
 
@@ -57,27 +52,10 @@ def run_one(path: str, urls: dict[str, str], router_pid: int, args: argparse.Nam
             "router_us_per_token": 1e6 * router_cpu / summary["total_output_tokens"]}
 
 
-def plot(rows: list[dict], runs: list[dict], path: Path) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
-    for ax, key, label in zip(axes, ("tok_s", "tpot_p50_ms", "router_us_per_token"),
-                              ("output tokens / s", "TPOT p50 (ms)", "router CPU µs per output token")):
-        bars_with_runs(ax, rows, runs, "path", key, label)
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_stream_args(ap, num_prompts=384)
-    ap.add_argument("--quick", action="store_true", help="smoke run: one round, 32 streams of 16 tokens; "
-                    "written to build/results-quick/")
-    args = ap.parse_args()
-    if args.quick:
-        args.rounds, args.num_prompts, args.concurrency, args.output_len = 1, 32, 32, 16
-    if args.rounds < 1:
-        raise SystemExit("--rounds must be at least 1")
+    add_stream_args(ap, num_prompts=384, quick_help="one round, 32 streams of 16 tokens")
+    args = parse_stream_args(ap, quick=dict(rounds=1, num_prompts=32, concurrency=32, output_len=16))
     port, replica_port = free_port(), free_port()
     urls = {"router": f"http://127.0.0.1:{port}", "direct": f"http://127.0.0.1:{replica_port}"}
     cmd = [sys.executable, "-m", "llmjax.cli", "cluster", args.model, "--replicas", "1", "--port", str(port),
@@ -87,18 +65,18 @@ def main() -> None:
             server_process(cmd, urls["router"], log) as router:
         print(f"warm-up through the router (cluster log: {log.name})", flush=True)
         bench(urls["router"], args, min(args.concurrency, 64), 8)
-        for round_ in range(args.rounds):
-            for path in PATHS if round_ % 2 == 0 else PATHS[::-1]:
-                print(f"round {round_ + 1}/{args.rounds}: {path}", flush=True)
-                runs.append(run_one(path, urls, router.pid, args))
-    rows = [{k: statistics.median(r[k] for r in runs if r["path"] == path) for k in
-             ("tok_s", "ttft_p50_ms", "tpot_p50_ms", "router_us_per_token")} | {"path": path} for path in PATHS]
+        for round_, path in alternating(PATHS, args.rounds):
+            print(f"round {round_ + 1}/{args.rounds}: {path}", flush=True)
+            runs.append(run_one(path, urls, router.pid, args))
+    rows = medians_by(runs, "path", PATHS, ("tok_s", "ttft_p50_ms", "tpot_p50_ms", "router_us_per_token"))
     direct, routed = rows
     for row in rows:
         row["vs_direct"] = row["tok_s"] / direct["tok_s"]
     out = results_dir(quick=args.quick)
     out.mkdir(parents=True, exist_ok=True)
-    plot(rows, runs, out / "router_overhead.png")
+    plot_bars(out / "router_overhead.png", rows, runs, "path", [
+        ("tok_s", "output tokens / s"), ("tpot_p50_ms", "TPOT p50 (ms)"),
+        ("router_us_per_token", "router CPU µs per output token")])
     findings = [change(what, direct[key], routed[key], unit, digits, tolerance=0.05) for what, key, unit, digits in (
         ("output throughput", "tok_s", "tok/s", 0), ("TPOT p50", "tpot_p50_ms", "ms", 1),
         ("TTFT p50", "ttft_p50_ms", "ms", 0))]

@@ -24,7 +24,6 @@ Writes results/stream_interval.md, .json and .png.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -35,8 +34,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from common import (add_stream_args, change, cpu_seconds, free_port, results_dir,  # experiments/common.py
-                    server_process, stream_server_args, table, write_report)
+from common import (add_stream_args, alternating, change, cpu_seconds, free_port,  # experiments/common.py
+                    medians_by, parse_stream_args, results_dir, server_process, stream_server_args, table,
+                    write_report)
 
 from llmjax.bench import add_bench_args, run_bench  # noqa: E402
 
@@ -67,13 +67,10 @@ def run_one(args: argparse.Namespace, interval: int, log) -> dict:
 def summarize_runs(runs: list[dict], intervals: list[int]) -> list[dict]:
     """Per interval, the median of each figure over its runs and the range of its tok/s; `speedup`: its
     median tok/s over the first interval's (1 by default)."""
-    rows = []
-    for n in intervals:
-        mine = [r for r in runs if r["interval"] == n]
-        rows.append({k: statistics.median(r[k] for r in mine) for k in mine[0]} | {
-            "interval": n, "runs": len(mine), "tok_s_range": f"{min(r['tok_s'] for r in mine):.0f}-"
-                                                              f"{max(r['tok_s'] for r in mine):.0f}"})
+    rows = medians_by(runs, "interval", intervals, tuple(k for k in runs[0] if k != "interval"))
     for row in rows:
+        mine = [r["tok_s"] for r in runs if r["interval"] == row["interval"]]
+        row["tok_s_range"] = f"{min(mine):.0f}-{max(mine):.0f}"
         row["speedup"] = row["tok_s"] / rows[0]["tok_s"]
     return rows
 
@@ -103,23 +100,18 @@ def plot(rows: list[dict], runs: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_stream_args(ap, num_prompts=512)
+    add_stream_args(ap, num_prompts=512, quick_help="intervals 1 and 4, one round, 64 streams of 32 tokens")
     ap.add_argument("--intervals", default="1,2,4,8")
-    ap.add_argument("--quick", action="store_true", help="smoke run: intervals 1 and 4, one round, 64 streams of "
-                    "32 tokens; written to build/results-quick/")
     ap.add_argument("server_args", nargs="*", help="more flags for the server (after --)")
-    args = ap.parse_args()
-    if args.quick:
-        args.intervals, args.rounds, args.num_prompts, args.concurrency, args.output_len = "1,4", 1, 64, 64, 32
+    args = parse_stream_args(ap, quick=dict(intervals="1,4", rounds=1, num_prompts=64, concurrency=64, output_len=32))
     intervals = [int(x) for x in args.intervals.split(",")]
-    if any(n < 1 for n in intervals) or args.rounds < 1:
-        raise SystemExit("--intervals takes positive integers and --rounds must be at least 1")
+    if any(n < 1 for n in intervals):
+        raise SystemExit("--intervals takes positive integers")
     runs = []
     with tempfile.NamedTemporaryFile("w", prefix="stream-interval-", suffix=".log", delete=False) as log:
-        for round_ in range(args.rounds):
-            for n in intervals if round_ % 2 == 0 else intervals[::-1]:
-                print(f"round {round_ + 1}/{args.rounds}: --stream-interval {n} (server log: {log.name})", flush=True)
-                runs.append(run_one(args, n, log))
+        for round_, n in alternating(intervals, args.rounds):
+            print(f"round {round_ + 1}/{args.rounds}: --stream-interval {n} (server log: {log.name})", flush=True)
+            runs.append(run_one(args, n, log))
     rows = summarize_runs(runs, intervals)
     out = results_dir(quick=args.quick)
     out.mkdir(parents=True, exist_ok=True)
