@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+import re
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -19,6 +21,7 @@ INT32_MAX = 2**31 - 1
 SEED_MIN, SEED_END = -(2**63), 2**64  # any signed or unsigned 64-bit integer
 MAX_PENALTY = 2.0  # presence / frequency in [-2, 2]; repetition in (0, 2]
 MAX_LOGIT_BIAS = 100.0
+_TOKEN_ID_TEXT = re.compile(r"[0-9]{1,10}")  # a logit_bias key as OpenAI's JSON sends it; ASCII digits only
 GREEDY_BELOW = 1e-5  # a smaller temperature samples greedily (as vLLM does), never dividing by ~0
 
 
@@ -135,9 +138,9 @@ class SamplingParams:
         self._check("logit_bias", isinstance(bias, Mapping), "logit_bias must map token ids to biases")
         out: dict[int, float] = {}
         for key, value in bias.items():
-            token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+            token = int(key) if isinstance(key, str) and _TOKEN_ID_TEXT.fullmatch(key.strip()) else key
             self._check("logit_bias", _is_int(token) and 0 <= token <= INT32_MAX,
-                        f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+                        f"logit_bias keys must be token ids (non-negative integers), got {reprlib.repr(key)}")
             self._check("logit_bias", _is_real(value) and abs(value) <= MAX_LOGIT_BIAS,
                         f"logit_bias values must be in [-100, 100], got {value!r} for token {key!r}")
             out[int(token)] = float(value)

@@ -72,9 +72,11 @@ class Tokenizer:
             bos_token=self.hf.bos_token or "", eos_token=self.hf.eos_token or "",
         )
 
-    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat prompt (the template writes its own special tokens)."""
-        return self.encode(self.chat_prompt(messages, add_generation_prompt), add_special_tokens=False)
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+        """Token ids of the rendered chat prompt. The template writes its own special tokens;
+        `add_special_tokens` adds the tokenizer's too (as HF's `apply_chat_template` then `encode`)."""
+        return self.encode(self.chat_prompt(messages, add_generation_prompt), add_special_tokens=add_special_tokens)
 
 
 class CharTokenizer:
@@ -104,8 +106,11 @@ class CharTokenizer:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
-    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.chat_prompt(messages, add_generation_prompt))
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+        """BOS (the chat format's own), then the rendered text; `add_special_tokens` adds the
+        tokenizer's BOS before it, as `Tokenizer.encode_chat` does."""
+        return [1] + self.encode(self.chat_prompt(messages, add_generation_prompt), add_special_tokens)
 
 
 def load_tokenizer(source: ModelSource, eos_token_ids: Sequence[int] = ()) -> Tokenizer | CharTokenizer:

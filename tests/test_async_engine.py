@@ -23,7 +23,7 @@ def test_streams_get_their_outputs_with_one_wake_up_per_step(monkeypatch):
     async def serve_all():
         streams = [engine.open_stream() for _ in PROMPTS]
         for i, (stream, prompt) in enumerate(zip(streams, PROMPTS)):
-            await stream.add(prompt, GREEDY, f"r{i}")
+            await stream.add({f"r{i}": prompt}, GREEDY)
 
         async def collect(stream):
             whole = OutputAccumulator()
@@ -89,7 +89,7 @@ def test_a_consumer_that_falls_behind_reads_fewer_outputs_with_every_token():
 
     async def read(request_id: str, lag_s: float) -> list[RequestOutput]:
         stream = engine.open_stream()
-        await stream.add(PROMPTS[0], GREEDY, request_id)
+        await stream.add({request_id: PROMPTS[0]}, GREEDY)
         outputs = []
         async for out in stream:
             outputs.append(out)

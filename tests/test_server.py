@@ -411,6 +411,12 @@ STRICT_ERRORS = [
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # str.isdigit() holds for "²" and "٣", int() fails or reads 3
+    ({"logit_bias": {"\u0663": 1}}, "logit_bias"),
+    ({"logit_bias": {"1" * 5000: 1}}, "logit_bias"),
+    ({"stop": ""}, "stop"),
+    ({"stop": ["ab", ""]}, "stop"),
+    ({"best_of": 1, "n": 2}, "best_of"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"5": "1"}}, "logit_bias"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
@@ -430,6 +436,46 @@ def test_strict_values(client, fields, param):
     _good_request(client)
 
 
+@pytest.mark.parametrize("path,raw,param", [
+    ("/v1/completions", r'{"prompt": "a\ud800b"}', "prompt"),
+    ("/v1/completions", r'{"prompt": ["fine", "a\udfff"]}', "prompt"),
+    ("/v1/completions", r'{"prompt": "x", "stop": ["\ud800"]}', "stop.0"),
+    ("/v1/completions", r'{"prompt": "x", "cache_salt": "\udc00"}', "cache_salt"),
+    ("/v1/completions", r'{"prompt": "x", "model": "\ud800"}', "model"),
+    ("/v1/completions", r'{"prompt": "x", "\ud800": 1}', None),  # a name that is not text
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "\ud800"}]}', "messages.0.content"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}',
+     "messages.0.content.0.text"),
+    ("/tokenize", r'{"prompt": "\ud800"}', "prompt"),
+])
+def test_lone_surrogates_are_refused(client, path, raw, param):
+    """JSON can spell a UTF-16 surrogate alone; such text has no UTF-8 form (no tokenizer or response can
+    carry it): a 400 naming the field, as for any other bad value."""
+    r = client.post(path, content=raw.replace("{", '{"model": "tiny", "max_tokens": 2, ', 1) if path != "/tokenize"
+                    else raw, headers={"content-type": "application/json"})
+    _assert_error(r, 400, param)
+    _good_request(client)
+
+
+def test_null_means_the_default(client):
+    """OpenAI's schema makes the optional fields nullable: `null` is the field left out."""
+    body = {"prompt": "abc", "max_tokens": 6, "seed": 3}
+    nulls = {"n": None, "temperature": None, "top_p": None, "top_k": None, "min_p": None, "stream": None,
+             "echo": None, "presence_penalty": None, "frequency_penalty": None, "repetition_penalty": None,
+             "ignore_eos": None, "min_tokens": None, "include_stop_str_in_output": None,
+             "skip_special_tokens": None, "stop": None, "logprobs": None, "best_of": None}
+    expected = complete(client, **body)["choices"]
+    assert complete(client, **body, **nulls)["choices"] == expected
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "seed": 3}
+    chat_nulls = {"logprobs": None, "add_generation_prompt": None, "temperature": None, "n": None}
+    replies = [client.post("/v1/chat/completions", json={"model": MODEL, **chat, **extra})
+               for extra in ({}, chat_nulls)]
+    assert replies[0].status_code == replies[1].status_code == 200, replies[1].text
+    assert replies[0].json()["choices"] == replies[1].json()["choices"]
+    _assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "no_such_field": None}), 400,
+                  "no_such_field")  # an unknown field is refused, null or not
+
+
 @pytest.mark.parametrize("raw", [b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}',
                                  b'{"prompt": "x", "temperature": -Infinity}'])
 def test_non_finite_numbers_are_refused(client, raw):
@@ -447,7 +493,7 @@ CHAT_STRICT_ERRORS = [
     ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name"),
     ({"messages": [{"role": "user"}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages.0.content"),
+     "messages.0.content.0.type"),  # only text parts
     ({"add_generation_prompt": "no"}, "add_generation_prompt"),
 ]
 
@@ -504,6 +550,91 @@ def test_penalties_reach_the_sampler(client):
     assert_no_leak(client)
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(client):
+    """Legacy completions: each position's top_logprobs hold the sampled token besides the `logprobs` best
+    ones (OpenAI: "up to logprobs+1 elements"), with the sampled token's own logprob."""
+    body = {"prompt": "hello", "max_tokens": 30, "temperature": 5.0, "seed": 1}
+    for k in (0, 1):
+        lp = complete(client, logprobs=k, **body)["choices"][0]["logprobs"]
+        outside = 0
+        for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+            assert top[token] == logprob and len(top) <= k + 1
+            outside += len(top) == k + 1
+        assert outside > 0  # at temperature 5 some sampled tokens are not among the best k
+        if k == 0:
+            assert outside == 30
+
+
+def test_streamed_text_offsets_follow_the_tokens_when_stop_strings_hold_text_back(client):
+    body = {"prompt": "hello", "logprobs": 1, "stop": ["<<<<<<<<"], **GREEDY, "max_tokens": 20}
+    whole = complete(client, **body)["choices"][0]["logprobs"]
+    events = stream(client, "/v1/completions", **body)
+    offsets = [o for e in events if e["choices"] and e["choices"][0]["logprobs"]
+               for o in e["choices"][0]["logprobs"]["text_offset"]]
+    lengths = [0] + [len(t) for t in whole["tokens"]]
+    assert offsets == whole["text_offset"] == [sum(lengths[: i + 1]) for i in range(20)]
+
+
+def test_every_chunk_of_a_stream_has_the_same_created_time(client, monkeypatch):
+    from llmjax.serve import protocol
+
+    class Clock:  # a second passes at every reading
+        t = 1_700_000_000
+
+        @classmethod
+        def time(cls) -> int:
+            cls.t += 1
+            return cls.t
+
+    monkeypatch.setattr(protocol, "time", Clock)
+    for path, body in (("/v1/completions", {"prompt": "abc"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        events = stream(client, path, **body, **GREEDY, stream_options={"include_usage": True})
+        assert len(events) > 3 and len({e["created"] for e in events}) == 1, [e["created"] for e in events]
+
+
+def test_tokenize_flags(client):
+    messages = [{"role": "user", "content": "hi"}]
+
+    def tokens(**body) -> list[int]:
+        r = client.post("/tokenize", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    chat = tokens(messages=messages)
+    assert tokens(messages=messages, add_special_tokens=True) == [1] + chat  # the tokenizer's BOS and the template's
+    assert tokens(prompt="hi", add_special_tokens=False) == tokens(prompt="hi")[1:]
+    _assert_error(client.post("/tokenize", json={"prompt": "hi", "add_generation_prompt": False}), 400,
+                  "add_generation_prompt")
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert tokens(messages=[{"role": "user", "content": parts}]) == \
+        tokens(messages=[{"role": "user", "content": "a\nb"}])  # text parts joined by newlines, as vLLM
+
+
+def test_prompts_are_tokenized_in_worker_threads_and_admitted_in_one_command(client, app):
+    """A long prompt must stall neither the event loop nor the engine's steps (tokenized in worker
+    threads), and a batch of prompts waits for the engine loop once, not once per prompt."""
+    server = app.state.server
+    encode, call = server.tokenizer.encode, server.async_engine.call
+    threads, calls = [], []
+
+    def recording_encode(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    async def counting_call(fn):
+        calls.append(threading.current_thread().name)  # the event loop's thread
+        return await call(fn)
+
+    server.tokenizer.encode, server.async_engine.call = recording_encode, counting_call
+    try:
+        out = complete(client, prompt=[f"prompt {i}" for i in range(8)], max_tokens=2)
+    finally:
+        server.tokenizer.encode, server.async_engine.call = encode, call
+    assert len(out["choices"]) == 8 and len(calls) == 1
+    assert len(threads) == 8 and not {*calls, "llmjax-engine-loop"} & set(threads), (threads, calls)
+
+
 def test_add_generation_prompt(client):
     messages = [{"role": "user", "content": "hi"}]
 
@@ -550,7 +681,7 @@ def test_health_answers_while_the_loop_is_busy(client, base_url, app):
     _good_request(client)
 
 
-def test_an_error_while_admitting_fails_only_that_request(client, app):
+def test_an_error_while_tokenizing_fails_only_that_request(client, app):
     tokenizer = app.state.server.tokenizer
     encode = tokenizer.encode
 
@@ -559,13 +690,33 @@ def test_an_error_while_admitting_fails_only_that_request(client, app):
             raise RuntimeError("tokenizer failure")
         return encode(text, *args, **kwargs)
 
-    errors_before = metrics(client)["llmjax:engine_errors_total"]
     tokenizer.encode = poisoned
     try:
-        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "POISON", "max_tokens": 2})
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": ["fine", "POISON"], "max_tokens": 2})
     finally:
         tokenizer.encode = encode
     assert r.status_code == 500 and "tokenizer failure" in r.json()["error"]["message"], r.text
+    _good_request(client)
+    assert_no_leak(client)
+
+
+def test_an_error_while_the_engine_admits_fails_only_that_request(client, app):
+    engine = app.state.server.async_engine.engine
+    add_request = engine.add_request
+    poison = [7, 7, 7, 7]
+
+    def poisoned(prompt, *args, **kwargs):
+        if list(prompt) == poison:
+            raise RuntimeError("admission failure")
+        return add_request(prompt, *args, **kwargs)
+
+    errors_before = metrics(client)["llmjax:engine_errors_total"]
+    engine.add_request = poisoned
+    try:  # the first prompt is admitted, then the second fails: neither may stay queued
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": [[5, 6, 7], poison], "max_tokens": 2})
+    finally:
+        engine.add_request = add_request
+    assert r.status_code == 500 and "admission failure" in r.json()["error"]["message"], r.text
     assert metrics(client)["llmjax:engine_errors_total"] == errors_before + 1
     _good_request(client)
     assert_no_leak(client)

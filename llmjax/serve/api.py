@@ -4,7 +4,10 @@ Endpoints: `/v1/completions`, `/v1/chat/completions` (both with `stream`), `/v1/
 `/health`, `/metrics`, `/tokenize`, `/detokenize`, `/debug/kv_invariants`.
 
 - The app's lifespan starts and stops the `AsyncEngine` loop thread; handlers never touch the
-  engine directly (the tokenizer, read-only, is shared with the loop thread).
+  engine directly. Prompts are tokenized (and chat templates rendered) in worker threads
+  (`asyncio.to_thread`), so a long prompt stalls neither the event loop nor the engine's steps; the
+  engine gets token ids. The tokenizer is shared read-only with those threads and the loop thread
+  (its detokenizers).
 - Errors are OpenAI error objects (`llmjax/serve/asgi.py`): 400 for schema errors (unknown
   fields included), malformed JSON, bad sampling values (`SamplingParamsError`) and prompts the
   engine refuses (`RequestError`: empty, too long); 401 without the API key (when one is set);
@@ -118,24 +121,31 @@ class OpenAIServer:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
-    def _chat_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def _chat_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
+                  add_special_tokens: bool = False) -> list[int]:
+        """The rendered conversation's token ids (blocking: call it in a worker thread)."""
         try:
-            return self.tokenizer.encode_chat([m.as_dict() for m in messages], add_generation_prompt)
+            return self.tokenizer.encode_chat([m.as_dict() for m in messages], add_generation_prompt,
+                                              add_special_tokens)
         except (ValueError, TemplateError) as exc:
             raise RequestError(str(exc), "messages") from exc
+
+    def _token_ids(self, prompts: list[p.Prompt]) -> list[list[int]]:
+        """Each prompt's token ids, as the engine would encode it (blocking: call it in a worker thread)."""
+        return [self.tokenizer.encode(q) if isinstance(q, str) else q for q in prompts]
 
     def _prompt_text(self, prompt: p.Prompt) -> str:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
-    async def _open(self, prompts: list[p.Prompt], params: SamplingParams, request_id: str,
+    async def _open(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                     cache_salt: str | None) -> tuple[OutputStream, dict[str, int]]:
-        """Queue one engine request per prompt; returns the stream and request id -> choice index.
-        If any prompt is refused, the ones already queued are aborted and the error propagates."""
-        stream, arrival = self.async_engine.open_stream(), time.monotonic()
+        """Queue one engine request per prompt (token ids), all in one engine command; returns the
+        stream and request id -> choice index. If any prompt is refused, none stays queued; if the
+        handler is cancelled meanwhile (the client left), they are aborted."""
+        stream = self.async_engine.open_stream()
         index = {f"{request_id}-{i}": i for i in range(len(prompts))}
         try:
-            for rid, prompt in zip(index, prompts):
-                await stream.add(prompt, params, rid, cache_salt or None, arrival)
+            await stream.add(dict(zip(index, prompts)), params, cache_salt or None, time.monotonic())
         except BaseException:
             stream.abort()
             raise
@@ -169,21 +179,21 @@ class OpenAIServer:
             usage.add(len(out.prompt_token_ids), out.metrics.num_generation_tokens, out.num_cached_tokens)
         return usage
 
-    def _completion_logprobs(self, params: SamplingParams, token_ids: list[int], entries,
-                             text_offset: int) -> p.CompletionLogprobs | None:
-        """Logprobs of `token_ids`, the last tokens of the output whose entries are `entries`."""
-        if params.logprobs is None:
-            return None
+    def _completion_logprobs(self, token_ids: list[int], entries, text_offset: int) -> tuple[p.CompletionLogprobs, int]:
+        """Logprobs of `token_ids`, the last tokens of the output whose entries are `entries`, and the
+        text offset after them."""
         return p.completion_logprobs(self.tokenizer.token_to_text, token_ids, entries[len(entries) - len(token_ids):],
-                                     params.logprobs, text_offset)
+                                     text_offset)
 
     # --- /v1/completions ------------------------------------------------------------------------------
     async def completions(self, body: p.CompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
-        params, prompts, request_id = body.sampling_params(), body.prompts(), p.random_id("cmpl")
-        stream, index = await self._open(prompts, params, request_id, body.cache_salt)
+        params, prompts, request_id, created = body.sampling_params(), body.prompts(), p.random_id("cmpl"), p.now_s()
+        prompt_ids = await asyncio.to_thread(self._token_ids, prompts)
+        stream, index = await self._open(prompt_ids, params, request_id, body.cache_salt)
         if body.stream:
-            return _EventStream(stream, self._completion_chunks(stream, index, prompts, params, body, request_id))
+            return _EventStream(stream, self._completion_chunks(stream, index, prompts, params, body, request_id,
+                                                                created))
         outputs = await self._final_outputs(raw, stream)
         if outputs is None:
             return Response(status_code=499)
@@ -192,45 +202,49 @@ class OpenAIServer:
             i = index[rid]
             prefix = self._prompt_text(prompts[i]) if body.echo else ""
             for c in out.outputs:
-                logprobs = self._completion_logprobs(params, c.token_ids, c.logprobs, 0)
+                logprobs = None if params.logprobs is None else self._completion_logprobs(c.token_ids, c.logprobs, 0)[0]
                 choices.append(p.CompletionChoice(index=i * params.n + c.index, text=prefix + c.text,
                                                   logprobs=logprobs, finish_reason=c.finish_reason,
                                                   stop_reason=c.stop_reason))
         choices.sort(key=lambda c: c.index)
-        return JSONResponse(p.CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+        return JSONResponse(p.CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                                  usage=self._usage(list(outputs.values()))).model_dump())
 
     async def _completion_chunks(self, stream: OutputStream, index: dict[str, int], prompts: list[p.Prompt],
-                                 params: SamplingParams, body: p.CompletionRequest, request_id: str):
-        offsets: dict[int, int] = {}  # characters sent per choice
+                                 params: SamplingParams, body: p.CompletionRequest, request_id: str, created: int):
+        echoed: set[int] = set()  # choices whose prompt was sent
+        offsets: dict[int, int] = {}  # per choice: the text offset after its tokens so far (logprobs)
         finished = []
         async for out in stream:
             _raise_if_failed(out)
             for c in out.outputs:
                 i = index[out.request_id] * params.n + c.index
                 text = c.text
-                if body.echo and i not in offsets:
+                if body.echo and i not in echoed:
+                    echoed.add(i)
                     text = self._prompt_text(prompts[index[out.request_id]]) + text
                 if not (text or c.finished or (params.logprobs is not None and c.token_ids)):
                     continue
-                logprobs = self._completion_logprobs(params, c.token_ids, c.logprobs, offsets.get(i, 0))
-                offsets[i] = offsets.get(i, 0) + len(text)
+                logprobs = None
+                if params.logprobs is not None:  # offsets follow the tokens, not text held back for stop strings
+                    logprobs, offsets[i] = self._completion_logprobs(c.token_ids, c.logprobs, offsets.get(i, 0))
                 choice = p.CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
                                             stop_reason=c.stop_reason)
-                yield p.CompletionResponse(id=request_id, model=self.model_name, choices=[choice])
+                yield p.CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[choice])
             if out.finished:
                 finished.append(out)
         if body.include_usage:
-            yield p.CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=self._usage(finished))
+            yield p.CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[],
+                                       usage=self._usage(finished))
 
     # --- /v1/chat/completions -------------------------------------------------------------------------
     async def chat_completions(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
-        params, request_id = body.sampling_params(), p.random_id("chatcmpl")
-        prompt_ids = self._chat_ids(body.messages, body.add_generation_prompt)
+        params, request_id, created = body.sampling_params(), p.random_id("chatcmpl"), p.now_s()
+        prompt_ids = await asyncio.to_thread(self._chat_ids, body.messages, body.add_generation_prompt)
         stream, index = await self._open([prompt_ids], params, request_id, body.cache_salt)
         if body.stream:
-            return _EventStream(stream, self._chat_chunks(stream, params, body, request_id))
+            return _EventStream(stream, self._chat_chunks(stream, params, body, request_id, created))
         outputs = await self._final_outputs(raw, stream)
         if outputs is None:
             return Response(status_code=499)
@@ -238,8 +252,8 @@ class OpenAIServer:
         choices = [p.ChatChoice(index=c.index, message=p.AssistantMessage(content=c.text),
                                 logprobs=self._chat_logprobs(params, c.token_ids, c.logprobs),
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in out.outputs]
-        return JSONResponse(p.ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                                     usage=self._usage([out])).model_dump())
+        return JSONResponse(p.ChatCompletionResponse(id=request_id, created=created, model=self.model_name,
+                                                     choices=choices, usage=self._usage([out])).model_dump())
 
     def _chat_logprobs(self, params: SamplingParams, token_ids: list[int], entries) -> p.ChatLogprobs | None:
         """Logprobs of `token_ids`, the last tokens of the output whose entries are `entries`."""
@@ -249,9 +263,9 @@ class OpenAIServer:
                                params.logprobs)
 
     async def _chat_chunks(self, stream: OutputStream, params: SamplingParams, body: p.ChatCompletionRequest,
-                           request_id: str):
+                           request_id: str, created: int):
         def chunk(index: int, delta: p.DeltaMessage, **fields) -> p.ChatCompletionChunk:
-            return p.ChatCompletionChunk(id=request_id, model=self.model_name,
+            return p.ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
                                          choices=[p.ChatStreamChoice(index=index, delta=delta, **fields)])
 
         for i in range(params.n):
@@ -265,7 +279,8 @@ class OpenAIServer:
                             logprobs=self._chat_logprobs(params, c.token_ids, c.logprobs or []),
                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             if out.finished and body.include_usage:
-                yield p.ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=self._usage([out]))
+                yield p.ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[],
+                                            usage=self._usage([out]))
 
     # --- the rest ---------------------------------------------------------------------------------------
     async def models(self) -> p.ModelList:
@@ -290,10 +305,14 @@ class OpenAIServer:
         self._check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("give exactly one of `prompt` and `messages`", "prompt")
+        special = body.add_special_tokens
         if body.messages is not None:
-            tokens = self._chat_ids(body.messages, body.add_generation_prompt)
+            generation_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
+            tokens = await asyncio.to_thread(self._chat_ids, body.messages, generation_prompt, bool(special))
+        elif body.add_generation_prompt is not None:
+            raise RequestError("add_generation_prompt applies to `messages` only", "add_generation_prompt")
         else:
-            tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await asyncio.to_thread(self.tokenizer.encode, body.prompt, special is not False)
         return p.TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)
 
     async def detokenize(self, body: p.DetokenizeRequest) -> p.DetokenizeResponse:

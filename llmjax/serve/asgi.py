@@ -30,10 +30,18 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           503: "service_unavailable"}
 
 
+class _ASCIIJSONResponse(JSONResponse):
+    """JSON escaped to ASCII: an error may quote the client's text, which can hold a lone surrogate
+    (no UTF-8 form; the usual rendering would fail and turn a 400 into a 500)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str, param: str | None = None, code: int | str | None = None,
                    type_: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_ or _TYPES.get(status, "invalid_request_error"), param, code),
-                        status_code=status)
+    return _ASCIIJSONResponse(error_body(message, type_ or _TYPES.get(status, "invalid_request_error"), param,
+                                         code), status_code=status)
 
 
 def _is_type_tag(part: Any) -> bool:
@@ -48,13 +56,10 @@ def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     for e in errors:
         if e["type"] == "json_invalid":
             return error_response(400, f"malformed JSON: {e.get('ctx', {}).get('error', e['msg'])}")
-    first = errors[0]
-    path = []
-    for part in first["loc"][1:]:
-        if _is_type_tag(part):
-            break
-        path.append(str(part))
-    param = ".".join(path) or None
+    # A union (`content`: a string or a list of parts) reports a failure per member; the member that
+    # got deepest into the value is the one the client meant.
+    first = max(errors, key=lambda e: len(e["loc"]))
+    param = ".".join(str(part) for part in first["loc"][1:] if not _is_type_tag(part)) or None
     if first["type"] == "extra_forbidden":
         message = f"unsupported parameter: `{param}` is not supported by this server"
     else:

@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 from llmjax.engine import LLMEngine, RequestError, RequestOutput
 from llmjax.sampling_params import SamplingParams, SamplingParamsError
@@ -120,14 +120,25 @@ class AsyncEngine:
         self._commands.put(_Command(lambda: fn(self.engine), loop, future))
         return await future
 
-    async def add(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str,
+    async def add(self, prompts: Mapping[str, str | Sequence[int]], params: SamplingParams,
                   namespace: Hashable | None, arrival_time: float, stream: OutputStream) -> None:
-        """Queue a request whose outputs go to `stream`; raises `RequestError` when the engine refuses it."""
+        """Queue requests (request id -> prompt) whose outputs go to `stream`, all in one command (one
+        wait for the loop thread, however many prompts). Raises `RequestError` when the engine
+        refuses one; then none of them stays queued."""
         loop = asyncio.get_running_loop()
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(prompt, params, request_id, namespace, arrival_time)
-            self._streams[request_id] = (loop, stream)
+            added = []
+            try:
+                for request_id, prompt in prompts.items():
+                    engine.add_request(prompt, params, request_id, namespace, arrival_time)
+                    added.append(request_id)
+            except BaseException:
+                for request_id in added:
+                    engine.abort(request_id)
+                raise
+            for request_id in added:
+                self._streams[request_id] = (loop, stream)
 
         await self.call(add)
 
@@ -298,15 +309,16 @@ class OutputStream:
         self._queue.append(item)
         self._ready.set()
 
-    async def add(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str,
+    async def add(self, prompts: Mapping[str, str | Sequence[int]], params: SamplingParams,
                   namespace: Hashable | None = None, arrival_time: float | None = None) -> None:
-        """Queue one request; raises `RequestError` (nothing queued) when the engine refuses it."""
+        """Queue requests (request id -> prompt); raises `RequestError` (none queued) when the engine
+        refuses one."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self.unfinished.add(request_id)  # before awaiting, so a cancelled add is still aborted
+        self.unfinished.update(prompts)  # before awaiting, so a cancelled add is still aborted
         try:
-            await self.engine.add(prompt, params, request_id, namespace, arrival, self)
+            await self.engine.add(prompts, params, namespace, arrival, self)
         except Exception:
-            self.unfinished.discard(request_id)
+            self.unfinished.difference_update(prompts)
             raise
 
     async def __aiter__(self):

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 from llmjax.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 
@@ -37,10 +37,33 @@ def now_s() -> int:
 
 
 # --- requests ------------------------------------------------------------------------------------
+def _check_unicode(text: str) -> str:
+    """JSON can spell a lone UTF-16 surrogate (`"\\ud800"`); such a string has no UTF-8 form, so no
+    tokenizer or response could carry it."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("the string is not valid Unicode (it holds a lone surrogate)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_check_unicode)]
+
+
 class StrictRequest(BaseModel):
-    """Unknown fields are refused; values are not coerced; floats are finite."""
+    """Unknown fields are refused; values are not coerced; floats are finite; strings are valid
+    Unicode. A known field given as `null` takes its default (OpenAI's schema marks the optional
+    fields nullable; vLLM declares them `Optional`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and None in data.values():
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
 
 class StreamOptions(StrictRequest):
@@ -54,14 +77,14 @@ def _is_token_ids(value: Any) -> bool:
 class _SamplingRequest(StrictRequest):
     """Fields both generation endpoints share."""
 
-    model: str | None = None
+    model: Text | None = None
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
     presence_penalty: float = 0.0
@@ -73,7 +96,7 @@ class _SamplingRequest(StrictRequest):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = Field(default=None, min_length=1)
+    cache_salt: Text | None = Field(default=None, min_length=1)
 
     @property
     def include_usage(self) -> bool:
@@ -85,7 +108,8 @@ class _SamplingRequest(StrictRequest):
             raise SamplingParamsError("stream_options", "stream_options can only be given with stream: true")
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or (),
+            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            stop=() if self.stop is None else self.stop,  # "" reaches SamplingParams, which refuses it
             stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, presence_penalty=self.presence_penalty,
@@ -116,6 +140,9 @@ class CompletionRequest(_SamplingRequest):
                              "or list of token-id lists")
         if any(len(p) == 0 for p in items):
             raise ValueError("the prompt is empty")
+        for p in items:
+            if isinstance(p, str):
+                _check_unicode(p)
         if len(items) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}")
         return prompt
@@ -129,6 +156,8 @@ class CompletionRequest(_SamplingRequest):
     def sampling_params(self) -> SamplingParams:
         if self.best_of not in (None, 1):
             raise SamplingParamsError("best_of", "only best_of=1 is supported")
+        if self.best_of is not None and self.best_of < self.n:
+            raise SamplingParamsError("best_of", f"best_of must be at least n ({self.n}), got {self.best_of}")
         if self.echo and self.logprobs is not None:
             raise SamplingParamsError("echo", "echo with logprobs is not supported (no prompt logprobs)")
         return self._sampling_params(self.max_tokens, self.logprobs)
@@ -136,15 +165,16 @@ class CompletionRequest(_SamplingRequest):
 
 class TextPart(StrictRequest):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(StrictRequest):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def as_dict(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        """The message as the chat template sees it; text parts are joined by newlines (as vLLM does)."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
         return {"role": self.role, "content": content}
 
 
@@ -172,15 +202,19 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class TokenizeRequest(StrictRequest):
-    model: str | None = None
-    prompt: str | None = None
+    """Exactly one of `prompt` and `messages`. `add_special_tokens`: the tokenizer's own special
+    tokens (BOS), by default with a prompt and not with messages, whose chat template writes its
+    own (vLLM's defaults); `add_generation_prompt` only with messages."""
+
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
 
 
 class DetokenizeRequest(StrictRequest):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]
 
 
@@ -330,34 +364,36 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 
 # --- logprobs ---------------------------------------------------------------------------------------
-def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
-    return sorted(entry.items(), key=lambda item: -item[1])[:k]
-
-
-def completion_logprobs(token_text, token_ids: list[int], entries: list[dict[int, float]], k: int,
-                        text_offset: int) -> CompletionLogprobs:
-    """Legacy-completions logprobs of `token_ids` (each entry: sampled token and top ids -> logprob);
-    `token_text(id)` renders a token; offsets count from `text_offset`."""
+def completion_logprobs(token_text, token_ids: list[int], entries: list[dict[int, float]],
+                        text_offset: int) -> tuple[CompletionLogprobs, int]:
+    """Legacy-completions logprobs of `token_ids`; each entry maps the sampled token, then the top
+    `logprobs` ids, to their logprobs, and all of it is returned (OpenAI: "the logprob of the sampled
+    token, so there may be up to logprobs+1 elements", as vLLM does). `token_text(id)` renders a
+    token; offsets count the tokens' text from `text_offset`. Returns the logprobs and the offset
+    after the last token."""
     result = CompletionLogprobs()
     for token, entry in zip(token_ids, entries):
         text = token_text(token)
         result.tokens.append(text)
         result.token_logprobs.append(entry[token])
-        result.top_logprobs.append({token_text(t): lp for t, lp in _top(entry, k)})
+        result.top_logprobs.append({token_text(t): lp for t, lp in entry.items()})
         result.text_offset.append(text_offset)
         text_offset += len(text)
-    return result
+    return result, text_offset
 
 
 def chat_logprobs(token_text, token_ids: list[int], entries: list[dict[int, float]], k: int) -> ChatLogprobs:
     """Chat-completions logprobs of `token_ids` with the top `k` alternatives of each."""
+
+    def top_k(entry: dict[int, float]) -> list[tuple[int, float]]:  # the sampled token only if it ranks
+        return sorted(entry.items(), key=lambda item: -item[1])[:k]
 
     def top(token: int, logprob: float) -> TopLogprob:
         text = token_text(token)
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
     content = [
-        ChatTokenLogprob(**top(token, entry[token]).model_dump(), top_logprobs=[top(t, lp) for t, lp in _top(entry, k)])
+        ChatTokenLogprob(**top(token, entry[token]).model_dump(), top_logprobs=[top(t, lp) for t, lp in top_k(entry)])
         for token, entry in zip(token_ids, entries)
     ]
     return ChatLogprobs(content=content)
