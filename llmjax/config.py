@@ -144,6 +144,16 @@ def _rope_theta_from_hf(hf: dict[str, Any]) -> float:
     return float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
 
 
+def _context_from_hf(hf: dict[str, Any]) -> int:
+    """The longest context llmjax serves the model at. Attention here always sees the whole
+    context, which is the model's own sliding-window attention (Mistral's `sliding_window`, Qwen2's
+    with `use_sliding_window`) only up to the window: such a model is served at most that long (as
+    vLLM does when it runs one without its window)."""
+    context = hf.get("max_position_embeddings", 2048)
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    return min(context, window) if window else context
+
+
 def _eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -166,7 +176,7 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta_from_hf(hf),
         rope_scaling=_rope_scaling_from_hf(hf),
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        max_position_embeddings=_context_from_hf(hf),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf.get("eos_token_id")),

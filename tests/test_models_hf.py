@@ -28,6 +28,10 @@ CASES = {
     "llama3-rope": ("LlamaConfig", dict(LLAMA, num_key_value_heads=2, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64})),
+    "llama-linear-rope": ("LlamaConfig", dict(LLAMA, num_key_value_heads=2, rope_scaling={
+        "rope_type": "linear", "factor": 4.0})),
+    "llama-yarn-rope": ("LlamaConfig", dict(LLAMA, num_key_value_heads=2, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
     "qwen2-bias": ("Qwen2Config", dict(LLAMA, num_key_value_heads=2)),
     "mistral": ("MistralConfig", dict(LLAMA, num_key_value_heads=4, sliding_window=None)),
     "deepseek-v3": ("DeepseekV3Config", dict(DEEPSEEK, q_lora_rank=None)),
@@ -65,6 +69,19 @@ def test_logits_match_transformers(case, tmp_path):
     if ours.config.attention == "mla":
         absorbed = np.asarray(model(tokens, absorb_mla=True))
         np.testing.assert_allclose(absorbed, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("config_name,extra,context", [
+    ("MistralConfig", {"sliding_window": 32}, 32),
+    ("MistralConfig", {"sliding_window": None}, 512),
+    ("Qwen2Config", {"sliding_window": 32, "use_sliding_window": True}, 32),
+    ("Qwen2Config", {"sliding_window": 32, "use_sliding_window": False}, 512),
+])
+def test_a_sliding_window_bounds_the_context(config_name, extra, context):
+    """Attention here sees the whole context, as the model's sliding window does only within the window."""
+    hf = getattr(transformers, config_name)(**LLAMA, num_key_value_heads=2, **extra).to_dict()
+    hf["architectures"] = [config_name.replace("Config", "ForCausalLM")]
+    assert model_config_from_hf(hf).max_position_embeddings == context
 
 
 def test_moe_config_is_refused():
