@@ -359,6 +359,35 @@ def test_request_metrics_count_each_finished_request(client):
         assert delta(f"request_{name}_time_seconds_count") == 2
 
 
+def test_latency_metrics_are_the_requests_own_timings(client, app):
+    """Each latency histogram's sum grows by what the engine's timestamps of the request give."""
+    engine_loop = app.state.server.async_engine
+    observe, finished = engine_loop.on_finished, []
+    engine_loop.on_finished = lambda out: (finished.append(out), observe(out))
+    try:
+        wait_idle(client)
+        before = metrics(client)
+        complete(client, prompt="abcd", max_tokens=6, ignore_eos=True)
+        after = wait_idle(client)
+    finally:
+        engine_loop.on_finished = observe
+    [out] = finished
+    m = out.metrics
+    expected = {
+        "time_to_first_token_seconds": [m.first_token_time - m.arrival_time],
+        "request_queue_time_seconds": [m.first_scheduled_time - m.arrival_time],
+        "request_prefill_time_seconds": [m.first_token_time - m.first_scheduled_time],
+        "request_decode_time_seconds": [m.finish_time - m.first_token_time],
+        "e2e_request_latency_seconds": [m.finish_time - m.arrival_time],
+        "inter_token_latency_seconds": [b - a for a, b in zip(m.token_times, m.token_times[1:])],
+    }
+    assert len(expected["inter_token_latency_seconds"]) == 5  # one gap between each two of the 6 tokens' steps
+    for name, values in expected.items():
+        count = after[f"llmjax:{name}_count"] - before[f"llmjax:{name}_count"]
+        total = after[f"llmjax:{name}_sum"] - before[f"llmjax:{name}_sum"]
+        assert count == len(values) and total == pytest.approx(sum(values), abs=1e-9), name
+
+
 # --- what the schemas refuse ---------------------------------------------------------------------------------
 def _assert_error(r: httpx.Response, status: int, param: str | None, contains: str = "") -> None:
     assert r.status_code == status, r.text
