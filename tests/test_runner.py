@@ -1,4 +1,5 @@
-"""The step bucket rules and warm-up shapes (pure Python), and the packing of a step's host inputs."""
+"""The step bucket rules and warm-up shapes (pure Python), the packing of a step's host inputs, and
+the warm-up itself on a tiny engine."""
 
 from __future__ import annotations
 
@@ -89,3 +90,27 @@ def test_host_inputs_round_trip_bit_for_bit():
         value, back = np.asarray(value), np.asarray(got[name])
         assert back.shape == value.shape and back.dtype == value.dtype, name
         assert back.tobytes() == value.tobytes(), name
+
+
+def test_warmup_compiles_the_common_buckets_and_leaves_the_cache_alone():
+    """`LLMEngine.warmup` (the server's default) compiles every warm-up shape, writes only the null
+    block (block 0) of the cache, and the engine then serves as a cold one does, compiling nothing
+    for a batch within those shapes."""
+    from tests.engine_helpers import run_to_completion, tiny_engine
+
+    config = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
+    engine = tiny_engine(**config)
+    rng = np.random.default_rng(0)  # a cache of noise: any write shows
+    engine.runner.cache = jax.tree.map(lambda x: jax.numpy.asarray(rng.standard_normal(x.shape), x.dtype),
+                                       engine.runner.cache)
+    before = [np.asarray(x) for x in jax.tree.leaves(engine.runner.cache)]
+    engine.warmup()
+    after = [np.asarray(x) for x in jax.tree.leaves(engine.runner.cache)]
+    for old, new in zip(before, after, strict=True):  # [layers, blocks, ...]: all but block 0 as they were
+        np.testing.assert_array_equal(old[:, 1:], new[:, 1:])
+    compiles = engine.runner.num_compiles
+    warm = [o.outputs[0].token_ids for o in run_to_completion(engine, prompts)]
+    assert engine.runner.num_compiles == compiles  # (compiled executables are shared: the cold engine comes after)
+    cold = [o.outputs[0].token_ids for o in run_to_completion(tiny_engine(**config), prompts)]
+    assert warm == cold
