@@ -23,6 +23,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
@@ -194,10 +195,19 @@ class LLMEngine:
         tokenizer, say); either way nothing is queued and no other request is affected.
         """
         params = params or SamplingParams()
-        request_id = request_id or f"req-{next(self._ids)}"
-        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        if request_id is None:
+            request_id = next(i for i in map("req-{}".format, self._ids) if i not in self._parents)
+        elif not isinstance(request_id, str) or not request_id:
+            raise RequestError(f"a request id is a non-empty string, got {request_id!r}", "request_id")
         if request_id in self._parents:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
+        try:
+            hash(namespace)
+        except TypeError:
+            raise RequestError(f"the namespace must be hashable, got {type(namespace).__name__}", "namespace") from None
+        if arrival_time is not None and not (isinstance(arrival_time, (int, float)) and math.isfinite(arrival_time)):
+            raise RequestError(f"arrival_time must be a finite number of seconds, got {arrival_time!r}", "arrival_time")
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         text = prompt if isinstance(prompt, str) else None
         if text == "":
             raise RequestError("the prompt is empty", "prompt")
@@ -441,8 +451,10 @@ class LLMEngine:
         message = f"the engine step failed: {type(exc).__name__}: {exc}"
         for request, start in zip(out.requests, out.num_computed.tolist()):  # its KV from this step is not
             request.num_computed_tokens = min(request.num_computed_tokens, start)  # written: never cache it
-        parent_ids = dict.fromkeys(r.parent_id for r in out.requests if r.parent_id in self._parents)
-        outputs = [self._end(self._parents[pid], RequestStatus.FINISHED_ERROR, message) for pid in parent_ids]
+        # by the record, not the id: a request of this step that finished meanwhile may have left its
+        # id to a new request, which was never in this step
+        parents = dict.fromkeys(r.owner for r in out.requests if not r.owner.finished)
+        outputs = [self._end(parent, RequestStatus.FINISHED_ERROR, message) for parent in parents]
         if self.runner.recover():
             log.error("the runner's device state was lost; running requests are recomputed")
             if self._inflight is not None:

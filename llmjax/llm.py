@@ -27,11 +27,15 @@ Conversation = Sequence[Mapping[str, str]]
 class LLM:
     """A model plus an engine, for batch generation in one process."""
 
-    def __init__(self, model: str | None = None, seed: int = 0, engine_config: EngineConfig | None = None,
+    def __init__(self, model: str | None = None, seed: int | None = None, engine_config: EngineConfig | None = None,
                  **engine_args: Any):
-        """`engine_args` are `EngineConfig` fields; or pass a whole `engine_config`."""
-        config = engine_config or EngineConfig(**engine_args)
-        self.engine = LLMEngine.from_config(model, config, seed=seed)
+        """`engine_args` are `EngineConfig` fields, applied over `engine_config` when both are given (a
+        name that is no field raises TypeError). `seed`, as vLLM's: the sampling of requests without
+        their own seed (`EngineConfig.seed`) and a preset's random weights; None keeps the config's."""
+        if seed is not None:
+            engine_args["seed"] = seed
+        config = (engine_config or EngineConfig()).replace(**engine_args)
+        self.engine = LLMEngine.from_config(model, config, seed=config.seed)
         self.tokenizer = self.engine.tokenizer
 
     @staticmethod

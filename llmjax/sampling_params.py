@@ -109,7 +109,7 @@ class SamplingParams:
         self._real("min_p", self.min_p)
         self._check("min_p", 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
-            self._check("seed", _is_int(self.seed) and SEED_MIN <= self.seed < SEED_END,
+            self._check("seed", _is_int(self.seed) and SEED_MIN <= int(self.seed) < SEED_END,
                         f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if self.max_tokens is not None:
             self._int("max_tokens", self.max_tokens, 1, INT32_MAX)
@@ -131,6 +131,13 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", self._checked_logit_bias(self.logit_bias))
         self._check("output_kind", isinstance(self.output_kind, RequestOutputKind),
                     f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        # numbers as Python's own types from here on (a NumPy scalar would overflow or wrap in arithmetic)
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "stop_token_ids", tuple(map(int, self.stop_token_ids)))
 
     def _checked_logit_bias(self, bias: Any) -> dict[int, float] | None:
         if bias is None:

@@ -150,3 +150,56 @@ def test_extreme_sampling_values_are_served(engine, expected):
     assert all(o.outputs[0].finish_reason == "length" and not o.error for o in outputs)
     assert outputs[-3].outputs[0].token_ids == expected[1][:4]  # temperature 1e-30 is greedy
     assert_healthy(engine, expected)
+
+
+def test_a_failed_step_fails_its_own_requests_not_a_later_one_with_the_same_id(expected, monkeypatch):
+    """Asynchronous scheduling: request "x" stops (a stop token) while the next step, holding it, is
+    in flight; a new request takes the id "x"; that step then fails. Only its own requests fail:
+    the old "x" had finished, and the new one was never in it."""
+    engine = tiny_engine(async_scheduling=True)
+    stop = expected[0][1]
+    assert stop != expected[0][0]
+    engine.add_request(PROMPTS[0], dataclasses.replace(GREEDY, stop_token_ids=(stop,)), request_id="x")
+    finished = []
+    while not finished:
+        finished = [o for o in engine.step() if o.finished]
+    assert finished[0].outputs[0].finish_reason == "stop" and finished[0].outputs[0].token_ids[-1] == stop
+    assert any(r.request_id == "x" for r in engine._inflight[0].requests)  # the old "x", in the step in flight
+    engine.add_request(PROMPTS[1], GREEDY, request_id="x")
+    fail_once(monkeypatch, engine.runner, "fetch")
+    assert [o for o in engine.step() if o.error] == []
+    [new] = drain(engine, ["x"])
+    assert not new.error and new.outputs[0].token_ids == expected[1]
+    assert_healthy(engine, expected)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(namespace=["a", "list"]), "namespace"), (dict(arrival_time="soon"), "arrival_time"),
+    (dict(arrival_time=float("nan")), "arrival_time"), (dict(request_id=""), "request_id"),
+    (dict(request_id=7), "request_id"),
+])
+def test_bad_request_fields_are_refused_before_queueing(engine, expected, kwargs, param):
+    with pytest.raises(RequestError) as err:
+        engine.add_request(PROMPTS[0], GREEDY, **kwargs)
+    assert err.value.param == param
+    assert_healthy(engine, expected)
+
+
+def test_generated_request_ids_skip_ids_in_use(engine, expected):
+    taken = engine.add_request(PROMPTS[0], GREEDY, request_id="req-0")
+    generated = [engine.add_request(PROMPTS[i], GREEDY) for i in (1, 2)]
+    assert len({taken, *generated}) == 3
+    drain(engine, [taken, *generated])
+    assert_healthy(engine, expected)
+
+
+def test_numpy_numbers_in_sampling_params_are_served(engine, expected):
+    """NumPy scalars pass as numbers and are served as Python's (a NumPy seed once overflowed in the
+    sampler's row setup and failed the whole step)."""
+    params = SamplingParams(seed=np.uint64(2**64 - 1), n=np.int64(2), temperature=np.float32(0.7),
+                            max_tokens=np.int32(4), stop_token_ids=[np.int64(0)])
+    plain = SamplingParams(seed=2**64 - 1, n=2, temperature=float(np.float32(0.7)), max_tokens=4, stop_token_ids=[0])
+    [got] = run_to_completion(engine, [PROMPTS[0]], params)
+    [want] = run_to_completion(engine, [PROMPTS[0]], plain)
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs] and not got.error
+    assert_healthy(engine, expected)
