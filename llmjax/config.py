@@ -68,6 +68,8 @@ class ModelConfig:
         if self.attention == "gqa":
             if self.head_dim <= 0 or self.num_kv_heads <= 0:
                 raise ConfigError("head_dim and num_kv_heads must be positive")
+            if self.head_dim % 2:
+                raise ConfigError(f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
             if self.num_heads % self.num_kv_heads:
                 raise ConfigError(
                     f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

@@ -89,16 +89,19 @@ class _SequenceState:
     returned_tokens: int = 0
     cumulative_logprob: float = 0.0
 
-    def detokenize(self, output_ids: list[int]) -> int:
+    def detokenize(self, output_ids: list[int], skip_last: bool = False) -> int:
         """Feed the output tokens the detokenizer has not seen; their text joins `unreturned`.
-        Returns its length. Should the detokenizer raise, those tokens count as seen (the caller
-        fails the request; its output keeps the text made before)."""
+        Returns its length. `skip_last`: the last token (an EOS or stop id that ended the request)
+        counts as seen but adds no text. Should the detokenizer raise, those tokens count as seen
+        (the caller fails the request; its output keeps the text made before)."""
         seen, n = self.detokenized, len(output_ids)
         self.detokenized = n
+        if skip_last:
+            output_ids, n = output_ids[:-1], n - 1
         if n == seen + 1:  # the usual case: this step's token
             text = self.detokenizer.add(output_ids[-1])
         else:
-            text = "".join(map(self.detokenizer.add, output_ids[seen:]))
+            text = "".join(map(self.detokenizer.add, output_ids[seen:n]))
         if text:
             self.unreturned += text
         return len(text)
@@ -385,6 +388,9 @@ class LLMEngine:
         if len(output_ids) == 1 and request.sample_index == 0:
             self.num_prompt_tokens += len(request.prompt_token_ids)  # counted once prefilled, as vLLM does
         params = request.sampling_params
+        # An EOS or stop id that ended it (the scheduler's stops: stop strings come below) adds no
+        # text unless `include_stop_str_in_output`, as in vLLM; its id stays in the token ids.
+        stop_token = request.status is RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output
         if params.logprobs is not None:
             state = parent.texts[request.sample_index]
             entry = {token: float(result.logprobs[i])}
@@ -394,11 +400,11 @@ class LLMEngine:
             state.cumulative_logprob += float(result.logprobs[i])
         if params.stop:
             state = parent.texts[request.sample_index]
-            new_chars = state.detokenize(output_ids)
+            new_chars = state.detokenize(output_ids, stop_token)
             if new_chars and request.status is not RequestStatus.FINISHED_STOPPED:
                 self._check_stop_strings(request, state, new_chars)
         elif params.output_kind is DELTA or request.status.finished:
-            parent.texts[request.sample_index].detokenize(output_ids)
+            parent.texts[request.sample_index].detokenize(output_ids, stop_token)
         if parent.held:  # the prompt is computed and its full pages cached
             for sibling in parent.held:
                 self.scheduler.add(sibling)

@@ -554,6 +554,27 @@ def _token(client: httpx.Client, char: str) -> int:
     return token
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_token_adds_no_text_unless_asked(client, app, stream):
+    """As in vLLM: the EOS or stop id that ends a request stays in its token ids, its text is left out
+    unless `include_stop_str_in_output`."""
+    server = app.state.server
+    stops = [i for i in range(server.vocab_size) if server.tokenizer.token_to_text(i) in LETTERS]
+    for include in (False, True):
+        body = dict(prompt="abcd", max_tokens=20, temperature=0, stop_token_ids=stops, logprobs=0,
+                    include_stop_str_in_output=include)
+        if stream:
+            events = [e["choices"][0] for e in globals()["stream"](client, "/v1/completions", **body) if e["choices"]]
+            text = "".join(c["text"] for c in events)
+            tokens = [t for c in events if c["logprobs"] for t in c["logprobs"]["tokens"]]
+            choice = events[-1]
+        else:
+            choice = complete(client, **body)["choices"][0]
+            text, tokens = choice["text"], choice["logprobs"]["tokens"]
+        assert choice["finish_reason"] == "stop" and choice["stop_reason"] in stops, choice
+        assert tokens[-1] in LETTERS and "".join(tokens) == text + ("" if include else tokens[-1])
+
+
 def test_logit_bias_changes_what_is_sampled(client, app):
     body = {"prompt": "bias test ", "temperature": 0, "max_tokens": 12, "ignore_eos": True}
     plain = complete(client, **body)["choices"][0]["text"]

@@ -1,0 +1,53 @@
+"""`EngineConfig` and `ModelConfig` refuse what they document as invalid, naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmjax.config import PRESETS, ConfigError, EngineConfig
+
+ENGINE_ERRORS = [
+    (dict(max_num_seqs=0), "max_num_seqs must be positive"),
+    (dict(max_num_batched_tokens=-1), "max_num_batched_tokens must be positive"),
+    (dict(stream_interval=0), "stream_interval must be positive"),
+    (dict(block_size=24), "block_size must be a power of two"),
+    (dict(scheduling_policy="round-robin"), "unknown scheduling_policy"),
+    (dict(queue_order="lifo"), "unknown queue_order"),
+    (dict(enable_chunked_prefill=False, max_num_batched_tokens=256, max_model_len=1024), "without chunked prefill"),
+    (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(max_delay=-0.1), "max_delay"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+    (dict(num_processes=2, process_id=0), "coordinator_address"),
+    (dict(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=2), "process_id"),
+]
+
+
+@pytest.mark.parametrize("fields, message", ENGINE_ERRORS)
+def test_engine_config_refuses(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**fields)
+
+
+def test_engine_config_accepts_its_edges():
+    EngineConfig(block_size=1, gpu_memory_utilization=1.0, max_delay=0.0)
+    EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=2048, max_model_len=2048)
+    EngineConfig(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=1)
+
+
+GQA, MLA = PRESETS["tiny-gqa"], PRESETS["tiny-mla"]
+MODEL_ERRORS = [
+    (GQA, dict(vocab_size=0), "vocab_size must be positive"),
+    (GQA, dict(num_heads=6, num_kv_heads=4), r"num_heads \(6\) must be a multiple of num_kv_heads \(4\)"),
+    (GQA, dict(head_dim=15), "head_dim must be even"),
+    (GQA, dict(attention="linear"), "attention must be"),
+    (GQA, dict(rope_scaling=(("factor", 2.0), ("rope_type", "dynamic"))), "unsupported rope_type 'dynamic'"),
+    (MLA, dict(kv_lora_rank=0), "MLA needs a positive kv_lora_rank"),
+    (MLA, dict(qk_rope_head_dim=7), "qk_rope_head_dim must be even"),
+]
+
+
+@pytest.mark.parametrize("base, fields, message", MODEL_ERRORS)
+def test_model_config_refuses(base, fields, message):
+    with pytest.raises(ConfigError, match=message):
+        base.replace(**fields)
