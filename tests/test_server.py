@@ -97,7 +97,8 @@ def stream(client: httpx.Client, path: str, **body) -> list[dict]:
 
 # --- basics ----------------------------------------------------------------------------------------------
 def test_models_health_tokenize(client):
-    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL]
+    [card] = client.get("/v1/models").json()["data"]
+    assert (card["id"], card["root"], card["parent"], card["object"]) == (MODEL, MODEL, None, "model")
     assert client.get("/health").status_code == 200
     tokens = client.post("/tokenize", json={"prompt": "hello"}).json()
     assert tokens["count"] == len(tokens["tokens"]) == 6 and tokens["max_model_len"] == MAX_MODEL_LEN

@@ -284,7 +284,7 @@ class OpenAIServer:
 
     # --- the rest ---------------------------------------------------------------------------------------
     async def models(self) -> p.ModelList:
-        return p.ModelList(data=[p.ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
+        return p.ModelList(data=[p.ModelCard(id=self.model_name, root=self.model_name, max_model_len=self.max_model_len)])
 
     async def health(self) -> Response:
         problem = self.async_engine.health()

@@ -325,10 +325,14 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """vLLM's model card: `root` is the model served under `id`; no fine-tune parent."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now_s)
     owned_by: str = "llmjax"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int
 
 
