@@ -76,3 +76,13 @@ def assert_greedy_matches(got: list[int], expected: list[int], logits: list[np.n
             assert gap < margin, f"token {i}: got {a}, expected {b}; the reference prefers {b} by {gap}"
             return
     assert len(got) == len(expected)
+
+
+def dense_logits(engine: LLMEngine, tokens: list[int]) -> np.ndarray:
+    """The dense (no cache) forward's logits `[len(tokens), V]` at every position of `tokens`
+    (row i scores the token after tokens[: i + 1])."""
+    assert len(tokens) <= REF_LEN
+    padded = np.zeros(REF_LEN, np.int32)
+    padded[: len(tokens)] = tokens
+    logits = _dense_logits_fn(engine.runner.graphdef)(engine.runner.params, jnp.asarray(padded))
+    return np.asarray(logits)[: len(tokens)]

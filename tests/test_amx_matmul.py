@@ -4,12 +4,17 @@ the fallback to XLA's dot where it is unavailable or switched off."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+import subprocess
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from llmjax.attention import native
 from llmjax.models.loader import load_model, random_params
 from llmjax.models.transformer import pack_linear_weights, store_layer_weights
 from llmjax.ops import amx_matmul as amx
@@ -22,8 +27,48 @@ MODEL_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # SmolLM2-135
 
 @pytest.fixture
 def kernel():
+    """For tests that execute AMX instructions: skip where the CPU lacks AMX; where it has AMX, a
+    kernel that does not build fails the test (a skip only when there is no compiler or Linux refused
+    the tile permission)."""
+    if not amx.cpu_has_amx():
+        pytest.skip("the CPU lacks AMX (amx_tile, amx_bf16, avx512_bf16)")
     if not amx.available():
-        pytest.skip("no AMX here (or the kernel did not build)")
+        try:
+            native.find_compiler()
+        except native.BuildError as exc:
+            pytest.skip(str(exc))
+        native.build_library(amx.KERNEL)  # raises (fails the test) when the source does not compile
+        pytest.skip("AMX is present but the kernel refused to initialise (see the logged warning)")
+
+
+def compiler_targets_amx() -> str | None:
+    """Why this toolchain cannot build AMX code (no compiler, or it does not know the AMX flags), or None."""
+    try:
+        compiler = native.find_compiler()
+    except native.BuildError as exc:
+        return str(exc)
+    probe = subprocess.run([compiler, *amx.KERNEL.flags, "-x", "c++", "-", "-o", os.devnull],
+                           input="int f() { return 0; }\n", capture_output=True, text=True, timeout=120)
+    return None if probe.returncode == 0 else f"{compiler} cannot target AMX: {probe.stderr[-500:]}"
+
+
+def test_kernel_source_builds():
+    """Wherever a C++ compiler can target AMX (compiling needs no AMX hardware), amx_matmul.cc builds
+    into a library exporting the FFI handler and the init symbol, and the init never reports ready
+    on a CPU without AMX; so a broken kernel fails here instead of showing up as skips."""
+    reason = compiler_targets_amx()
+    if reason:
+        pytest.skip(reason)
+    library = ctypes.CDLL(str(native.build_library(amx.KERNEL)))  # BuildError (with the compiler's output) fails
+    for _, symbol in amx.KERNEL.targets:
+        assert hasattr(library, symbol), symbol
+    init = getattr(library, amx.KERNEL.init)
+    init.restype = ctypes.c_int
+    code = init()  # checks CPUID first: executes no AMX instruction on a CPU without it
+    if native.cpu_features().issuperset({"amx_tile", "amx_bf16"}):
+        assert code in (0, 2), code  # ready, or Linux refused the tile permission
+    else:
+        assert code != 0, "the kernel declared itself ready on a CPU without AMX"
 
 
 def weight(rng, k, n) -> np.ndarray:

@@ -6,7 +6,7 @@ step N+1 token dropped) and logprobs; aborts and failures while a step is in fli
 import numpy as np
 import pytest
 
-from llmjax.sampling_params import SamplingParams
+from llmjax.sampling_params import MAX_LOGPROBS, SamplingParams
 from tests.engine_helpers import GREEDY, dense_greedy, drain, run_to_completion, tiny_engine
 from tests.test_engine import CONFIGS, PROMPTS, engine_bytes_per_token
 from tests.test_engine_faults import fail_once
@@ -100,12 +100,66 @@ def test_a_step_that_fails_while_another_is_in_flight_fails_only_its_requests(wh
     assert [o.outputs[0].token_ids for o in run_to_completion(engine, PROMPTS)] == expected
 
 
-def test_one_transfer_per_step_brings_tokens_and_logprobs():
-    engine = tiny_engine()
-    [out] = run_to_completion(engine, [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
-                                                                    logprobs=3))
+class CountedReads:
+    """A step's device output whose reads to the host are counted (`reads`: the shape of each)."""
+
+    def __init__(self, array, reads: list):
+        self.array, self.reads = array, reads
+
+    def _read(self):
+        self.reads.append(tuple(self.array.shape))
+        return np.asarray(self.array)
+
+    def __array__(self, dtype=None, copy=None):
+        return self._read() if dtype is None else self._read().astype(dtype)
+
+    def tolist(self):
+        return self._read().tolist()
+
+    def __getitem__(self, index):
+        return self._read()[index]
+
+    def __iter__(self):
+        return iter(self._read())
+
+    def __getattr__(self, name):  # shape, dtype, block_until_ready, ...
+        return getattr(self.array, name)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_one_transfer_per_step_brings_tokens_and_logprobs(monkeypatch, async_scheduling):
+    """Every device output of every step is counted when read on the host: exactly one read per
+    dispatched step (`engine.num_steps`), of the packed results (tokens, their logprobs, the top ids
+    and their logprobs together), never of the tokens kept on the device for the next step; and the
+    logprobs it brought are those of greedy tokens."""
+    engine = tiny_engine(async_scheduling=async_scheduling)
+    runner = engine.runner
+    reads, fetches = [], []
+    run, fetch = runner.run, runner.fetch
+
+    def counted_run(inputs, decode_only, num_top_logprobs=0, prev_tokens=None):
+        if isinstance(prev_tokens, CountedReads):
+            prev_tokens = prev_tokens.array  # the next step reads them on the device
+        tokens, packed = run(inputs, decode_only, num_top_logprobs, prev_tokens)
+        return CountedReads(tokens, reads), CountedReads(packed, reads)
+
+    def counted_fetch(inflight):
+        fetches.append(inflight.num_top)
+        return fetch(inflight)
+
+    monkeypatch.setattr(runner, "run", counted_run)
+    monkeypatch.setattr(runner, "fetch", counted_fetch)
+    params = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)]
+    ids = [engine.add_request(PROMPTS[0], params[0]), engine.add_request(PROMPTS[5], params[1])]
+    out = drain(engine, ids)[0]
+    assert engine.num_steps > 6  # prefill chunks, then decodes
+    assert len(fetches) == len(reads) == engine.num_steps, (engine.num_steps, fetches, reads)
+    width = {shape[1] for shape in reads}
+    assert all(len(shape) == 2 for shape in reads), reads  # the packed [S, 2 + 2k] results, never the [S] tokens
+    assert width <= {2, 2 + 2 * MAX_LOGPROBS} and 2 + 2 * MAX_LOGPROBS in width, reads  # top logprobs came along
     lps = out.outputs[0].logprobs
-    assert len(lps) == 4 and all(len(entry) >= 3 for entry in lps)
+    assert len(lps) == 4 and all(len(entry) == 3 for entry in lps)
     for token, entry in zip(out.outputs[0].token_ids, lps):
         assert max(entry.values()) == pytest.approx(entry[token])  # greedy: the sampled token is the top one
         assert all(np.isfinite(v) and v <= 0 for v in entry.values())

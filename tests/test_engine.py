@@ -9,7 +9,8 @@ import pytest
 from llmjax.engine import RequestError
 from llmjax.outputs import OutputAccumulator
 from llmjax.sampling_params import RequestOutputKind, SamplingParams
-from tests.engine_helpers import GREEDY, assert_greedy_matches, dense_greedy, drain, run_to_completion, tiny_engine
+from tests.engine_helpers import (GREEDY, assert_greedy_matches, dense_greedy, dense_logits, drain, run_to_completion,
+                                  tiny_engine)
 
 RNG = np.random.default_rng(1234)
 SHARED = RNG.integers(3, 250, size=40).tolist()
@@ -80,8 +81,55 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch():
     ids = [engine.add_request(PROMPTS[3], others), engine.add_request(PROMPTS[0], params),
            engine.add_request(PROMPTS[4], others)]
     assert drain(engine, ids)[1].outputs[0].token_ids == alone
-    unseeded = run_to_completion(tiny_engine(), [PROMPTS[0]], SamplingParams(temperature=1.0, max_tokens=10))
-    assert len(unseeded[0].outputs[0].token_ids) > 0
+
+
+def test_engine_seed_fixes_unseeded_sampling():
+    """`EngineConfig.seed` draws the seeds of requests that give none: two engines with the same
+    config seed sample the same unseeded tokens (temperature 1, three requests one after the other),
+    another config seed samples other tokens, and each request draws a seed of its own (the same
+    prompt twice samples differently). The model weights are the same in every engine."""
+    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+
+    def unseeded(seed: int) -> list[list[int]]:
+        engine = tiny_engine(seed=seed)
+        prompts = (PROMPTS[0], PROMPTS[0], PROMPTS[1])
+        return [run_to_completion(engine, [p], params)[0].outputs[0].token_ids for p in prompts]
+
+    first, again, other = unseeded(11), unseeded(11), unseeded(12)
+    assert first == again
+    assert all(a != b for a, b in zip(first, other)), (first, other)
+    assert first[0] != first[1]
+
+
+def test_greedy_logprobs_are_the_reference_log_softmax():
+    """`logprobs=k` on greedy requests batched together (k = 0, 1, 5, 20), and alone (k = 2): each
+    token's entry holds the sampled token, then the top k ids of the dense reference's log-softmax at
+    that position (scored along the engine's own tokens) most probable first, with their values; the
+    sampled token is the reference's top one; the cumulative logprob sums the sampled tokens'."""
+    engine = tiny_engine()
+    runs = []
+    for batch in ([(PROMPTS[0], 0), (PROMPTS[1], 1), (PROMPTS[3], 5), (PROMPTS[6], 20)], [(PROMPTS[4], 2)]):
+        ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=k))
+               for p, k in batch]
+        runs += [(p, k, out) for (p, k), out in zip(batch, drain(engine, ids))]
+    tol = 1e-4
+    for prompt, k, out in runs:
+        [c] = out.outputs
+        assert len(c.token_ids) == len(c.logprobs) == 6
+        logits = dense_logits(engine, prompt + c.token_ids)[len(prompt) - 1 : -1].astype(np.float64)
+        ref = logits - logits.max(-1, keepdims=True)
+        ref -= np.log(np.exp(ref).sum(-1, keepdims=True))  # NumPy log-softmax
+        for i, (token, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+            best = np.sort(ref[i])[::-1]
+            assert ref[i, token] > best[0] - tol, f"token {i}: {token} is not the reference's argmax"
+            got = list(entry)
+            assert got[0] == token and len(got) == max(k, 1), f"token {i}: {got} for logprobs={k}"
+            # the top k of the reference, most probable first (up to float near-ties)
+            assert all(ref[i, t] > best[k - 1] - tol for t in got[1:]), (i, got)  # none below the k-th
+            assert all(ref[i, a] > ref[i, b] - tol for a, b in zip(got, got[1:])), (i, got)
+            for t, value in entry.items():
+                assert value == pytest.approx(ref[i, t], abs=tol), (i, t)
+        assert c.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(c.token_ids, c.logprobs)), abs=1e-4)
 
 
 def test_stop_string_cuts_the_text():

@@ -7,7 +7,7 @@ import pytest
 from llmjax.config import EngineConfig
 from llmjax.llm import LLM
 from llmjax.sampling_params import SamplingParams
-from tests.engine_helpers import GREEDY, REF_LEN, dense_greedy, drain
+from tests.engine_helpers import GREEDY, REF_LEN, dense_greedy, dense_logits, drain
 
 RNG = np.random.default_rng(5)
 PROMPT = RNG.integers(3, 250, size=40).tolist()  # 5 whole blocks of 8
@@ -45,10 +45,38 @@ def test_prompt_forms_and_output_shape(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_chat_renders_the_template(llm):
-    conversation = [{"role": "user", "content": "hi"}]
-    [out] = llm.chat(conversation, GREEDY, use_tqdm=False)
-    assert out.prompt_token_ids == llm.tokenizer.encode_chat(conversation)
+def char_ids(text: str) -> list[int]:
+    """CharTokenizer's documented ids: printable ASCII c -> 3 + ord(c) - 32; anything else is '?'."""
+    return [3 + (ord(c) if 32 <= ord(c) < 127 else ord("?")) - 32 for c in text]
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi! How can I help?"},
+     {"role": "user", "content": "Tell me a joke."}],
+    [{"role": "user", "content": ""}],
+]
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_renders_the_template(llm, add_generation_prompt):
+    """CharTokenizer's chat format: BOS, then "<role>content\n" per message, then "<assistant>" when
+    `add_generation_prompt`; one output per conversation, in order, continuing that prompt greedily."""
+    outs = llm.chat(CONVERSATIONS, GREEDY, use_tqdm=False, add_generation_prompt=add_generation_prompt)
+    assert len(outs) == len(CONVERSATIONS)
+    for conversation, out in zip(CONVERSATIONS, outs):
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in conversation)
+        text += "<assistant>" if add_generation_prompt else ""
+        expected = [1] + char_ids(text)
+        assert out.prompt_token_ids == expected
+        tokens = out.outputs[0].token_ids  # greedy: each the argmax of the dense reference (up to near-ties)
+        logits = dense_logits(llm.engine, expected + tokens)[len(expected) - 1 : -1]
+        assert len(tokens) == GREEDY.max_tokens
+        assert all(logits[i, t] > logits[i].max() - 1e-4 for i, t in enumerate(tokens)), tokens
+    # one conversation, not a list of them
+    [single] = llm.chat(CONVERSATIONS[1], GREEDY, use_tqdm=False, add_generation_prompt=add_generation_prompt)
+    assert single.prompt_token_ids == outs[1].prompt_token_ids
 
 
 def test_logprobs_and_cumulative_logprob(llm):

@@ -192,6 +192,41 @@ def test_token_logprobs_only_for_rows_that_ask():
             np.testing.assert_array_equal(got, 0.0)
 
 
+def numpy_log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float64."""
+    x = logits.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("k", [5, 20])
+def test_top_logprobs_are_the_top_k_of_the_raw_log_softmax(k):
+    """`num_top_logprobs=k`: per row the k most probable ids of the raw logits, most probable first,
+    with their log-softmax values, and the sampled token's logprob; for greedy and sampled rows, on a
+    vocabulary spanning several chunks, and on a processed row (its logit bias changes the draw,
+    never the reported logprobs)."""
+    rng = np.random.default_rng(k)
+    rows, vocab = 6, 3 * CHUNK + 17
+    logits = rng.normal(0, 3, (rows, vocab)).astype(np.float32)
+    logits[4, vocab - 1] = 25.0  # a row whose maximum sits in the padded last chunk
+    state = empty_state(rows + 1, vocab)
+    bias = np.array(state.logit_bias)
+    bias[5, np.argsort(-logits[5])[k + 3]] = 100.0  # row 5 samples a token outside its top k
+    state = PenaltyState(state.output_counts, state.prompt_mask, bias, state.min_tokens_mask)
+    s = sampling_input(rows, temperature=[0.0, 1.0, 0.7, 0.0, 1.3, 0.0], top_k=[0, 0, 5, 0, 0, 0],
+                       seed_lo=np.arange(rows), penalty_row=np.arange(rows), processed=[False] * 5 + [True])
+    (tokens, token_lp, top_ids, top_lp), _ = jax.jit(sample, static_argnums=3)(logits, s, state, k)
+    tokens, token_lp, top_ids, top_lp = map(np.asarray, (tokens, token_lp, top_ids, top_lp))
+    ref = numpy_log_softmax(logits)
+    order = np.argsort(-ref, axis=-1, kind="stable")[:, :k]
+    assert top_ids.shape == top_lp.shape == (rows, k)
+    np.testing.assert_array_equal(top_ids, order)
+    np.testing.assert_allclose(top_lp, np.take_along_axis(ref, order, -1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(token_lp, ref[np.arange(rows), tokens], rtol=1e-5, atol=1e-5)
+    assert tokens[5] == np.argsort(-logits[5])[k + 3]  # the bias decided the draw, not the reported logprobs
+    np.testing.assert_array_equal(tokens[[0, 3]], logits[[0, 3]].argmax(-1))
+
+
 def test_same_seed_same_draws_other_seed_differs():
     a, _ = draw(seed=11)
     b, _ = draw(seed=11)

@@ -94,9 +94,34 @@ def test_indivisible_sizes_are_refused(preset, changes, tp, message):
         parallel.validate(PRESETS[preset].replace(**changes), tp)
 
 
-def test_fewer_kv_heads_than_devices_are_replicated():
-    parallel.validate(PRESETS["tiny-gqa"].replace(num_heads=12, num_kv_heads=3, vocab_size=768), 6)  # KV heads twice
-    parallel.validate(PRESETS["tiny-mqa"], 8)
+@pytest.mark.parametrize("changes, tp", [
+    ({"num_heads": 12, "num_kv_heads": 3, "vocab_size": 768}, 6),  # each KV head twice
+    ({}, 8),  # tiny-mqa's one KV head eight times
+], ids=["gqa-3-heads-tp-6", "mqa-tp-8"])
+def test_fewer_kv_heads_than_devices_are_replicated(changes, tp):
+    """`prepare_model` accepts a TP size that is a multiple of the KV heads and gives a model with `tp`
+    KV heads, each original head's K/V projection columns repeated tp // num_kv_heads times (query
+    head h still reads original head h // (num_heads // num_kv_heads)); the model's logits are the
+    unreplicated model's. (Runs on one device: only the weights are rewritten.)"""
+    from llmjax.models.loader import LoadedModel, ModelSource, random_params
+
+    cfg = PRESETS["tiny-mqa" if not changes else "tiny-gqa"].replace(num_layers=1, **changes)
+    model = LoadedModel(cfg, *random_params(cfg, jnp.float32, seed=1), ModelSource("preset", "custom"))
+    wide = parallel.prepare_model(model, tp)
+    assert (wide.config.num_kv_heads, model.config.num_kv_heads) == (tp, cfg.num_kv_heads)
+    assert wide.config.replace(num_kv_heads=cfg.num_kv_heads) == cfg  # nothing else changed
+    repeat, d = tp // cfg.num_kv_heads, cfg.head_dim
+    for name in ("k_proj", "v_proj"):
+        before = np.asarray(model.params["layers"]["self_attn"][name]["kernel"].get_value())
+        after = np.asarray(wide.params["layers"]["self_attn"][name]["kernel"].get_value())
+        assert after.shape == (*before.shape[:-1], tp * d)
+        for head in range(tp):
+            original = head // repeat
+            np.testing.assert_array_equal(after[..., head * d : (head + 1) * d],
+                                          before[..., original * d : (original + 1) * d])
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, size=(2, 12)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(wide.module()(tokens)), np.asarray(model.module()(tokens)),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_too_few_devices_is_refused():
