@@ -171,3 +171,16 @@ def test_accumulator_folds_deltas_without_mutating_them():
     assert [(c.index, c.text, c.token_ids, len(c.logprobs)) for c in whole.outputs] == [(0, "ad", [5, 6], 2),
                                                                                        (1, "bc", [7, 8], 2)]
     assert whole.finished and whole.metrics.token_times == [1.0, 2.0] and whole.outputs[0].cumulative_logprob == -1.0
+
+
+def test_llm_seed_and_engine_args_reach_the_engine_config():
+    """`LLM(seed=)` is vLLM's: it also seeds the sampling of requests without their own seed
+    (`EngineConfig.seed`, which `test_engine_seed_fixes_unseeded_sampling` shows decides them);
+    keyword args apply over an `engine_config`, and a name that is no field is an error."""
+    base = EngineConfig(max_num_batched_tokens=64, max_num_seqs=8, block_size=8, max_model_len=REF_LEN,
+                        kv_cache_memory_bytes=2 << 20, attention_backend="xla", dtype="float32", seed=3)
+    config = LLM("tiny-gqa", seed=5, engine_config=base, max_num_seqs=4, async_scheduling=True).engine.config
+    assert (config.seed, config.max_num_seqs, config.async_scheduling, config.block_size) == (5, 4, True, 8)
+    assert LLM("tiny-gqa", engine_config=base).engine.config.seed == 3  # no seed given: the config's
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM("tiny-gqa", engine_config=base, max_num_seq=4)
