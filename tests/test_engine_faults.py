@@ -203,3 +203,25 @@ def test_numpy_numbers_in_sampling_params_are_served(engine, expected):
     [want] = run_to_completion(engine, [PROMPTS[0]], plain)
     assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs] and not got.error
     assert_healthy(engine, expected)
+
+
+@pytest.mark.parametrize("ending", ["abort", "failed step"])
+def test_a_parallel_request_ended_before_its_first_token_ends_every_sample(engine, expected, monkeypatch, ending):
+    """With prefix caching, samples 1..n-1 of an `n` > 1 request wait (held, never queued) until
+    sample 0 has its first token. Ending the request before that (an abort; a failed step) must end
+    the held samples too, with nothing queued or leaked."""
+    assert engine.config.enable_prefix_caching
+    request_id = engine.add_request(PROMPTS[1], dataclasses.replace(GREEDY, n=3))
+    assert len(engine._parents[request_id].held) == 2
+    if ending == "abort":
+        [output] = [engine.abort(request_id)]
+        reason = "abort"
+    else:
+        fail_once(monkeypatch, engine.runner, "dispatch")
+        [output] = engine.step()
+        reason = "error"
+    assert output.finished and [c.index for c in output.outputs] == [0, 1, 2]
+    assert all(c.finish_reason == reason and c.token_ids == [] for c in output.outputs)
+    assert (output.error is not None) == (ending == "failed step")
+    assert engine.step() == [] and not engine.has_unfinished_requests()
+    assert_healthy(engine, expected)
