@@ -3,6 +3,7 @@ batching configuration, sampling, stops, abort, KV invariants, compilation count
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -251,6 +252,21 @@ def test_config_dtype_must_match_the_loaded_model():
     with pytest.raises(ConfigError, match="bfloat16"):
         LLMEngine(loaded, tokenizer, EngineConfig(dtype="bfloat16", max_num_batched_tokens=64, max_num_seqs=8,
                                                   kv_cache_memory_bytes=2 << 20))
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+def test_a_narrower_kv_cache_than_the_weights(kv_dtype):
+    """`kv_cache_dtype` below the weights' float32: the same budget holds twice the blocks, and greedy
+    outputs follow the dense float32 reference up to the cache's rounding (near-ties within 0.05)."""
+    wide = tiny_engine()
+    narrow = tiny_engine(kv_cache_dtype=kv_dtype)
+    assert {x.dtype.itemsize for x in jax.tree.leaves(narrow.runner.cache)} == {2}  # (bfloat16 may be held as bits)
+    assert abs(narrow.num_blocks - 2 * wide.num_blocks) <= 1
+    prompts = [RNG.integers(3, 250, size=n).tolist() for n in (5, 19, 33)]
+    outputs = run_to_completion(narrow, prompts)
+    for prompt, out in zip(prompts, outputs):
+        expected, logits = dense_greedy(narrow, prompt, GREEDY.max_tokens)
+        assert_greedy_matches(out.outputs[0].token_ids, expected, logits, margin=0.05)
 
 
 def _deltas(engine, prompts, params) -> list[list]:
