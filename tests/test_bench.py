@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 import httpx
+import numpy as np
 import pytest
 
 from llmjax.bench import add_bench_args, run_bench
@@ -78,3 +79,30 @@ def test_failed_requests_are_counted_and_their_errors_shown(base_url, capsys):
     assert (summary["completed"], summary["failed"]) == (0, 3)
     assert len(summary["errors"]) == 1 and summary["errors"][0].startswith("HTTP 404")
     assert f"failed: {summary['errors'][0]}" in capsys.readouterr().out
+
+
+def test_goodput_counts_the_requests_within_every_slo():
+    """vLLM's goodput: completed requests per second whose TTFT, TPOT and end-to-end latency all stay
+    within the given limits (ms); failed requests count in neither."""
+    from llmjax.bench import RequestResult, parse_slos, summarize
+
+    def result(ttft_ms: float, e2e_ms: float, tokens: int, ok: bool = True) -> RequestResult:
+        return RequestResult(ok=ok, prompt_tokens=4, output_tokens=tokens, ttft=ttft_ms / 1e3, latency=e2e_ms / 1e3)
+
+    results = [
+        result(100, 1000, 10),   # TPOT (1000 - 100) / 9 = 100 ms
+        result(300, 1200, 10),   # TTFT 300 ms
+        result(100, 2000, 10),   # TPOT 211 ms, E2E 2000 ms
+        result(50, 50, 1),       # one token: no TPOT
+        result(10, 20, 3, ok=False),
+    ]
+    slos = parse_slos(["ttft:200", "tpot:150"])
+    summary = summarize(results, duration=2.0, slos=slos)
+    assert summary["completed"] == 4 and summary["failed"] == 1
+    assert summary["request_goodput"] == 2 / 2.0  # the first and the one-token request
+    assert summarize(results, 2.0, parse_slos(["e2el:1500"]))["request_goodput"] == 3 / 2.0
+    assert "request_goodput" not in summarize(results, 2.0, {})
+    assert summary["tpot_ms"]["p50"] == pytest.approx(np.median([100.0, 100.0, 1900 / 9]))
+    for bad in ("ttft", "latency:5", "ttft:"):
+        with pytest.raises(SystemExit, match="--goodput takes NAME:MS"):
+            parse_slos([bad])
