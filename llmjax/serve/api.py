@@ -189,7 +189,8 @@ class OpenAIServer:
     async def completions(self, body: p.CompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
         params, prompts, request_id, created = body.sampling_params(), body.prompts(), p.random_id("cmpl"), p.now_s()
-        prompt_ids = await asyncio.to_thread(self._token_ids, prompts)
+        prompt_ids = await asyncio.to_thread(self._token_ids, prompts) if any(isinstance(q, str) for q in prompts) \
+            else prompts
         stream, index = await self._open(prompt_ids, params, request_id, body.cache_salt)
         if body.stream:
             return _EventStream(stream, self._completion_chunks(stream, index, prompts, params, body, request_id,
