@@ -26,10 +26,11 @@ generate: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# Every CPU result, regenerated in one go (progress bars on stderr), then README's results table from
+# The CPU results, regenerated in one go (progress bars on stderr), then README's results table from
 # the JSON files. `make results QUICK=1`: a smoke run of each script with --quick, written to
-# build/results-quick/ (results/ and README are left alone). GPU results: experiments/kernel_bench.py
-# on a GPU machine (results/gpu/).
+# build/results-quick/ (results/ and README are left alone). Run on their own: stream_interval.py,
+# bench_client.py, router_overhead.py (servers under load for minutes) and triton_sm90.py (needs
+# triton). GPU results: experiments/gpu_check.py on a GPU machine (results/gpu/).
 QUICK ?=
 Q := $(if $(QUICK),--quick,)
 results: $(STAMP)

@@ -8,9 +8,10 @@ step before it waits for the previous one, so the host's scheduling, input build
 processing overlap the device's work; it returns the previous step's outputs.
 Not thread-safe: a single loop owns the engine (the server runs it in one thread).
 
-A request with `n` > 1 is n scheduler requests ("samples", ids `<id>#<i>`) under one parent id; the
-engine holds samples 1..n-1 back until sample 0 has sampled its first token, so they find the
-prompt's full pages in the prefix cache and the prompt is computed once.
+A request with `n` > 1 is n scheduler requests ("samples", ids `<id>#<i>`) under one parent id; with
+prefix caching on, the engine holds samples 1..n-1 back until sample 0 has sampled its first token,
+so they find the prompt's full pages in the prefix cache and the prompt is computed once (off: all
+samples start at once and each computes the prompt).
 
 Fault isolation: an exception while preparing a request (in `add_request`) reaches only its
 caller, with nothing queued; one inside a step fails only the requests in that step (finished

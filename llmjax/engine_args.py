@@ -38,7 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", choices=BACKENDS, default=d.attention_backend,
                         help="default: 'cpu' (the native attention kernel) on CPU when it compiles, else 'xla' "
                              "(see docs/architecture.md, 'Choosing an implementation')")
-    parser.add_argument("--dtype", default=d.dtype, help="bfloat16 (default on a GPU and on a CPU with AMX) or float32 (default on other CPUs)")
+    parser.add_argument("--dtype", default=d.dtype,
+                        help="bfloat16 (default on a GPU and on a CPU with AVX512-BF16 or AMX-BF16) "
+                             "or float32 (default on other CPUs)")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                         help="dispatch each step before the previous one's tokens reach the host")

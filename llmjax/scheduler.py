@@ -442,7 +442,7 @@ class Scheduler:
         `max_tokens` and `max_model_len`, finishing those requests (blocks freed); caches the full
         pages of prefill chunks (so a request's other samples, released after its first token, find
         its prompt). A request that finished meanwhile (an earlier step's stop, an abort) gets
-        nothing. Returns the requests that got a token, in step order, and their indices in the step
+        nothing. Returns (their indices in the step, the requests that got a token, in step order)
         (`range(n)` when every one did; the pairs are never materialised, as a step's update is on
         the engine's critical path); the finished ones have a finished status.
 

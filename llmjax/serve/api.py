@@ -19,8 +19,9 @@ Endpoints: `/v1/completions`, `/v1/chat/completions` (both with `stream`), `/v1/
 - A client that disconnects aborts its requests: streamed responses abort when the response
   ends for any reason; non-streamed handlers race the generation against the disconnect.
 - `/health` answers from the loop's heartbeat without waiting for it (`AsyncEngine.health`): 200
-  while the loop is alive, else 503 with the reason. `/debug/kv_invariants` scans the KV pool on
-  the loop thread between steps (200, or 503 with the violation).
+  while the loop is alive and no step has run past 600 s, else 503 with the reason.
+  `/debug/kv_invariants` scans the KV pool on the loop thread between steps (200, or 503 with the
+  violation).
 """
 
 from __future__ import annotations
@@ -138,14 +139,15 @@ class OpenAIServer:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
     async def _open(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                    cache_salt: str | None) -> tuple[OutputStream, dict[str, int]]:
+                    cache_salt: str | None, arrival: float) -> tuple[OutputStream, dict[str, int]]:
         """Queue one engine request per prompt (token ids), all in one engine command; returns the
-        stream and request id -> choice index. If any prompt is refused, none stays queued; if the
-        handler is cancelled meanwhile (the client left), they are aborted."""
+        stream and request id -> choice index. `arrival`: when the handler started (the request's
+        latencies count its tokenizing). If any prompt is refused, none stays queued; if the handler
+        is cancelled meanwhile (the client left), they are aborted."""
         stream = self.async_engine.open_stream()
         index = {f"{request_id}-{i}": i for i in range(len(prompts))}
         try:
-            await stream.add(dict(zip(index, prompts)), params, cache_salt or None, time.monotonic())
+            await stream.add(dict(zip(index, prompts)), params, cache_salt or None, arrival)
         except BaseException:
             stream.abort()
             raise
@@ -187,11 +189,12 @@ class OpenAIServer:
 
     # --- /v1/completions ------------------------------------------------------------------------------
     async def completions(self, body: p.CompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
         self._check_model(body.model)
         params, prompts, request_id, created = body.sampling_params(), body.prompts(), p.random_id("cmpl"), p.now_s()
         prompt_ids = await asyncio.to_thread(self._token_ids, prompts) if any(isinstance(q, str) for q in prompts) \
             else prompts
-        stream, index = await self._open(prompt_ids, params, request_id, body.cache_salt)
+        stream, index = await self._open(prompt_ids, params, request_id, body.cache_salt, arrival)
         if body.stream:
             return _EventStream(stream, self._completion_chunks(stream, index, prompts, params, body, request_id,
                                                                 created))
@@ -240,10 +243,11 @@ class OpenAIServer:
 
     # --- /v1/chat/completions -------------------------------------------------------------------------
     async def chat_completions(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
         self._check_model(body.model)
         params, request_id, created = body.sampling_params(), p.random_id("chatcmpl"), p.now_s()
         prompt_ids = await asyncio.to_thread(self._chat_ids, body.messages, body.add_generation_prompt)
-        stream, index = await self._open([prompt_ids], params, request_id, body.cache_salt)
+        stream, index = await self._open([prompt_ids], params, request_id, body.cache_salt, arrival)
         if body.stream:
             return _EventStream(stream, self._chat_chunks(stream, params, body, request_id, created))
         outputs = await self._final_outputs(raw, stream)

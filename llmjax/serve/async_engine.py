@@ -182,7 +182,7 @@ class AsyncEngine:
             self._die(exc)
 
     def _serve_commands(self, stalled: bool) -> bool:
-        """Run pending commands. When idle: check the KV invariants, publish stats, then block for a
+        """Run pending commands. When idle: publish stats, then block for a
         command; after a step that scheduled nothing (a static/dynamic batch not formed yet), wait up
         to STALL_WAIT_S for one instead of spinning. Returns False on shutdown."""
         if not self.engine.has_unfinished_requests():
@@ -277,7 +277,8 @@ class AsyncEngine:
 class OutputStream:
     """The outputs of one HTTP request's engine requests (one per prompt), for one consumer task.
 
-    Contract: `add` each prompt, iterate until every request finished, and call `abort()` in a
+    Contract: `add` the request's prompts (request id -> prompt) in one call, iterate until every
+    request finished, and call `abort()` in a
     `finally` (a no-op for finished requests), so a client that leaves frees its blocks at once.
     Event-loop side only.
 
