@@ -284,7 +284,7 @@ ROWS: list[tuple[str, str, Formatter]] = [
     ("[offline_throughput](results/offline_throughput.md)", "results/offline_throughput.json", offline_throughput),
     ("[offline_throughput, equal prompts](results/offline_throughput_equal.md)", "results/offline_throughput_equal.json",
      offline_throughput),
-    ("[offline_throughput, equal prompts, AMD EPYC without AMX](results/offline_throughput_equal_epyc.md)",
+    ("[offline_throughput, equal prompts](results/offline_throughput_equal_epyc.md) (no AMX)",
      "results/offline_throughput_equal_epyc.json", offline_throughput),
     ("[memory_waste](results/memory_waste.md) (PagedAttention Fig. 2, simulator)", "results/memory_waste.json",
      memory_waste),
@@ -294,8 +294,8 @@ ROWS: list[tuple[str, str, Formatter]] = [
     ("[routing](results/routing.md)", "results/routing.json", routing),
     ("[load](results/load.md)", "results/load.json", load),
     ("[kv_bookkeeping](results/kv_bookkeeping.md)", "results/kv_bookkeeping.json", kv_bookkeeping),
-    ("[host_overhead](results/host_overhead.md) (Intel Xeon)", "results/host_overhead.json", host_overhead),
-    ("[host_overhead, AMD EPYC](results/host_overhead_epyc.md)", "results/host_overhead_epyc.json", host_overhead),
+    ("[host_overhead](results/host_overhead.md)", "results/host_overhead.json", host_overhead),
+    ("[host_overhead](results/host_overhead_epyc.md)", "results/host_overhead_epyc.json", host_overhead),
     ("[stream_interval](results/stream_interval.md)", "results/stream_interval.json", stream_interval),
     ("[bench_client](results/bench_client.md)", "results/bench_client.json", bench_client),
     ("[router_overhead](results/router_overhead.md)", "results/router_overhead.json", router_overhead),
@@ -315,9 +315,21 @@ def headline(path: Path, formatter: Formatter, numbers: Numbers | None = None) -
     return formatter(json.loads(path.read_text()), numbers or Numbers())
 
 
+def machine(path: Path) -> str:
+    """Where the result was measured, from its provenance: the accelerator, else the CPU's family."""
+    if not path.exists():
+        return ""
+    found = json.loads(path.read_text()).get("provenance", {}).get("machine", {})
+    name = found.get("accelerator") or found.get("cpu") or ""
+    for family in ("Intel Xeon", "AMD EPYC"):
+        if all(word in name for word in family.split()):
+            return family
+    return name
+
+
 def generate(root: Path = ROOT) -> str:
-    lines = ["| experiment | headline |", "| --- | --- |"]
-    lines += [f"| {label} | {headline(root / path, fmt)} |" for label, path, fmt in ROWS]
+    lines = ["| experiment | machine | headline |", "| --- | --- | --- |"]
+    lines += [f"| {label} | {machine(root / path)} | {headline(root / path, fmt)} |" for label, path, fmt in ROWS]
     return "\n".join(lines)
 
 

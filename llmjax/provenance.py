@@ -66,8 +66,19 @@ def _version(package: str) -> str | None:
         return None
 
 
+def _accelerator() -> str | None:
+    """"<count> x <device kind>" of JAX's devices when this process uses JAX on an accelerator (None on
+    CPU, or when it never imported JAX: JAX is not started here for this)."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return None
+    devices = jax.devices()
+    return None if devices[0].platform == "cpu" else f"{len(devices)} x {devices[0].device_kind}"
+
+
 def provenance() -> dict:
-    """{"commit", "dirty", "command", "date_utc", "machine": {"cores", "cpu", "memory_gib", "platform"},
+    """{"commit", "dirty", "command", "date_utc", "machine": {"cores", "cpu", "memory_gib", "platform",
+    "accelerator"},
     "versions": {"python", "jax", ...}, "torch_threads"}; dirty is True when tracked files other than
     experiment outputs (`OUTPUT_PATHS`: say, the results of an earlier script of the same run) differ from
     the commit (the result may then not be reproducible from `commit` alone; dirty_paths says which)."""
@@ -86,7 +97,7 @@ def provenance() -> dict:
         "command": " ".join(shlex.quote(a) for a in [Path(argv[0]).name, *argv[1:]]),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "machine": {"cores": cores, "cpu": _cpu_model(), "memory_gib": _memory_gib(),
-                    "platform": platform.platform()},
+                    "platform": platform.platform(), "accelerator": _accelerator()},
         "versions": {"python": platform.python_version(), **{p: _version(p) for p in PACKAGES}},
         # torch's intra-op threads when this process imported torch (HF baselines set them to the cores)
         "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
@@ -106,7 +117,8 @@ def provenance_markdown(prov: dict | None = None) -> str:
         f"- commit: {commit}",
         f"- command: `{p['command']}`",
         f"- date: {p['date_utc']}",
-        f"- machine: {m['cores']} cores, {m['cpu'] or 'unknown CPU'}, {m['memory_gib']} GiB memory, {m['platform']}",
+        f"- machine: {m['cores']} cores, {m['cpu'] or 'unknown CPU'}, {m['memory_gib']} GiB memory, {m['platform']}"
+        + (f", {m['accelerator']}" if m.get("accelerator") else ""),
         f"- versions: {versions}",
         *([f"- torch threads: {p['torch_threads']}"] if p.get("torch_threads") else []),
     ])
