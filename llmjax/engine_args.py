@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 
 from llmjax.attention.backend import BACKENDS
-from llmjax.config import EngineConfig
+from llmjax.config import KV_CACHE_DTYPES, EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +30,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV cache budget in bytes (default: 1 GiB on CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                         help="share of free accelerator memory for the KV cache when --kv-cache-memory is not given")
-    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, help="KV cache dtype (default: --dtype)")
+    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                        help="KV cache dtype (default: --dtype)")
     parser.add_argument("--scheduling-policy", choices=["continuous", "static", "dynamic"], default=d.scheduling_policy)
     parser.add_argument("--queue-order", choices=["fcfs", "lpm"], default=d.queue_order)
     parser.add_argument("--batch-size", type=int, default=d.batch_size, help="static/dynamic batch size")

@@ -17,6 +17,8 @@ ENGINE_ERRORS = [
     (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(max_delay=-0.1), "max_delay"),
+    (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes must be positive"),
+    (dict(kv_cache_dtype="int8"), "kv_cache_dtype must be one of"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (dict(num_processes=2, process_id=0), "coordinator_address"),
     (dict(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=2), "process_id"),
