@@ -22,7 +22,7 @@ import time
 
 import httpx
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llmjax.serve.api import build_app
@@ -203,6 +203,26 @@ def test_errors_are_relayed_and_do_not_take_a_worker_down():
         assert m["llmjax:router_worker_failures_total"] == 0 and m["llmjax:router_requests_total"] == 5
         r = httpx.get(f"{router}/no-such-route", timeout=TIMEOUT)  # the router's own errors: OpenAI's shape
         assert r.status_code == 404 and r.json()["error"]["code"] == 404
+
+
+def test_end_to_end_headers_are_relayed_both_ways():
+    """The client's `Authorization` (a worker's `--api-key`) and `x-request-id` reach the worker; the
+    worker's own response headers reach the client; hop-by-hop ones stay on their connection."""
+    seen = {}
+    worker = FastAPI()
+
+    async def complete(request: Request):
+        seen.update(request.headers)
+        return JSONResponse({"choices": [{"text": "ok"}]}, status_code=429, headers={"retry-after": "7"})
+
+    worker.add_api_route("/v1/completions", complete, methods=["POST"])
+    worker.add_api_route("/health", lambda: Response(status_code=200))
+    with running_server(worker) as url, running_server(build_router_app([url], RoundRobin(), 3600)) as router:
+        r = httpx.post(f"{router}/v1/completions", json={"prompt": "x"}, timeout=TIMEOUT,
+                       headers={"Authorization": "Bearer K", "x-request-id": "r-1", "Connection": "keep-alive"})
+    assert r.status_code == 429 and r.headers["retry-after"] == "7" and r.headers["x-llmjax-worker"] == url
+    assert seen["authorization"] == "Bearer K" and seen["x-request-id"] == "r-1"
+    assert seen["content-type"] == "application/json" and seen["host"] != httpx.URL(router).netloc.decode()
 
 
 def test_tenants_are_routed_apart_and_each_sticks_to_its_worker():

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from llmjax.serve.protocol import error_body
 
 log = logging.getLogger(__name__)
+GRACEFUL_SHUTDOWN_S = 5.0  # on SIGTERM/SIGINT, how long open responses may go on (servers and router)
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
           503: "service_unavailable"}

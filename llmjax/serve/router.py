@@ -52,7 +52,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from prometheus_client.core import GaugeMetricFamily
 
 from llmjax.serve import routing
-from llmjax.serve.asgi import install_error_handlers, wait_for_disconnect
+from llmjax.serve.asgi import GRACEFUL_SHUTDOWN_S, install_error_handlers, wait_for_disconnect
 from llmjax.serve.protocol import error_body
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,19 @@ class _WorkerFailed(Exception):
         self.down = down
 
 
+# Not relayed either way: hop-by-hop headers (RFC 9110 §7.6.1), the ones each connection sets for
+# itself, and accept-encoding (bodies are relayed as they come, never re-encoded).
+_NOT_RELAYED = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                          "transfer-encoding", "upgrade", "host", "content-length", "date", "server",
+                          "accept-encoding"})
+
+
+def _relayed(headers) -> dict[str, str]:
+    """The end-to-end headers of a request or response (the client's `Authorization`, `Origin`,
+    `x-request-id`; the worker's `retry-after`, CORS headers, ...)."""
+    return {k: v for k, v in headers.items() if k.lower() not in _NOT_RELAYED}
+
+
 class _Relay(StreamingResponse):
     """Relays a worker's response from its first chunk on; however the relay ends (done, client
     gone, worker failed), it lets go of the worker's response (its connection goes back to the pool
@@ -112,12 +125,10 @@ class _Relay(StreamingResponse):
 
     def __init__(self, upstream: aiohttp.ClientResponse, first: bytes, rest: AsyncIterator[bytes], worker_url: str,
                  on_close: Callable[[], None]):
-        headers = {"x-llmjax-worker": worker_url}
-        if "content-type" in upstream.headers:
-            headers["content-type"] = upstream.headers["content-type"]
+        headers = {**_relayed(upstream.headers), "x-llmjax-worker": worker_url}
         super().__init__(self._chunks(first, rest), status_code=upstream.status, headers=headers)
         self.upstream, self.worker_url, self.on_close = upstream, worker_url, on_close
-        self.sse = headers.get("content-type", "").startswith("text/event-stream")
+        self.sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
     async def _chunks(self, first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield first
@@ -283,7 +294,7 @@ class Router:
         """Send the request to `worker` and wait for the first byte of its body; the relay of the
         response, or None when the client left first. `_WorkerFailed` (nothing relayed yet) when
         the worker cannot be reached, drops the connection or answers 503."""
-        headers = {"content-type": request.headers.get("content-type", "application/json")}
+        headers = {"content-type": "application/json", **_relayed(request.headers)}
         opening = asyncio.ensure_future(self._first_byte(request.method, worker.url, path, body, headers))
         watch = asyncio.ensure_future(wait_for_disconnect(request))
         try:
@@ -380,4 +391,4 @@ def serve_router(urls: list[str], args: argparse.Namespace) -> None:
                            args.health_check_timeout, args.health_failure_threshold)
     print(f"routing ({args.policy}) over {len(urls)} workers at http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_keep_alive=args.timeout_keep_alive)
+                timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
 log = logging.getLogger(__name__)
-GRACEFUL_SHUTDOWN_S = 5.0
 KEEP_ALIVE_S = 5.0  # uvicorn's default, as vLLM serves
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -80,6 +79,8 @@ def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info",
     """Serve an app of `build_app` until stopped; 0, or 1 when its engine loop died (the server
     then stops at once, letting open responses end for up to GRACEFUL_SHUTDOWN_S)."""
     import uvicorn
+
+    from llmjax.serve.asgi import GRACEFUL_SHUTDOWN_S
 
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
