@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from llmjax.config import EngineConfig
+from llmjax.config import PRESETS, EngineConfig
 from llmjax.engine import LLMEngine
 from llmjax.outputs import OutputAccumulator, RequestOutput
 from llmjax.sampling_params import SamplingParams
@@ -23,6 +23,11 @@ def tiny_engine(preset: str = "tiny-gqa", **overrides) -> LLMEngine:
                kv_cache_memory_bytes=2 << 20, attention_backend="xla", dtype="float32")
     cfg.update(overrides)
     return LLMEngine.from_config(preset, EngineConfig(**cfg), seed=0)
+
+
+def engine_bytes_per_token(preset: str) -> int:
+    """KV bytes per token of a preset in float32 (the tiny engines' dtype): sizes a pool in blocks."""
+    return PRESETS[preset].kv_bytes_per_token(4)
 
 
 def run_to_completion(engine: LLMEngine, prompts, params=GREEDY, check_invariants: bool = True):

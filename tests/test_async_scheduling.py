@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from llmjax.sampling_params import MAX_LOGPROBS, SamplingParams
-from tests.engine_helpers import GREEDY, dense_greedy, drain, run_to_completion, tiny_engine
-from tests.test_engine import CONFIGS, PROMPTS, engine_bytes_per_token
+from tests.engine_helpers import GREEDY, dense_greedy, drain, engine_bytes_per_token, run_to_completion, tiny_engine
+from tests.test_engine import CONFIGS, PROMPTS
 from tests.test_engine_faults import fail_once
 
 PREEMPTING = {"preemption": None}  # kv budget filled in per preset: 24 usable blocks of 8 tokens

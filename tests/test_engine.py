@@ -10,8 +10,8 @@ import pytest
 from llmjax.engine import RequestError
 from llmjax.outputs import OutputAccumulator
 from llmjax.sampling_params import RequestOutputKind, SamplingParams
-from tests.engine_helpers import (GREEDY, assert_greedy_matches, dense_greedy, dense_logits, drain, run_to_completion,
-                                  tiny_engine)
+from tests.engine_helpers import (GREEDY, assert_greedy_matches, dense_greedy, dense_logits, drain,
+                                  engine_bytes_per_token, run_to_completion, tiny_engine)
 
 RNG = np.random.default_rng(1234)
 SHARED = RNG.integers(3, 250, size=40).tolist()
@@ -59,12 +59,6 @@ def test_preemption_keeps_outputs(reference):
     assert engine.kv.stats().queries == len(PROMPTS)  # a re-admission after preemption is no new query
     for out, (tokens, logits) in zip(outputs, expected):
         assert_greedy_matches(out.outputs[0].token_ids, tokens, logits)
-
-
-def engine_bytes_per_token(preset):
-    from llmjax.config import PRESETS
-
-    return PRESETS[preset].kv_bytes_per_token(4)
 
 
 def test_prefix_cache_hits_shared_prompts():
