@@ -39,7 +39,9 @@ class Request:
     (a prefix hit counts). `num_pending`: tokens sampled by a dispatched step that have not reached
     the host yet (0 or 1; asynchronous scheduling), the last at `inflight_index` in that step's
     sampled tokens. The request needs `num_tokens + num_pending - num_computed_tokens` more tokens
-    computed before it can sample. `row`: its batch row while running (-1 otherwise).
+    computed before it can sample. `num_cached_tokens`: the prompt tokens the prefix cache served when
+    it was first admitted (a re-admission after preemption finds its own blocks: no hit).
+    `row`: its batch row while running (-1 otherwise).
     `namespace` is the prefix-cache tenant (None: the shared default). `seed` may be any 64-bit
     integer (the sampler folds it into the PRNG key as two 32-bit words). `parent_id`: the id of
     the request it is one sample of (the engine's `n` > 1), None for its own; `owner`: the engine's

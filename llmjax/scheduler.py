@@ -329,7 +329,8 @@ class Scheduler:
                 break
             num_cached, n = result
             request.num_computed_tokens = num_cached
-            request.num_cached_tokens = max(request.num_cached_tokens, num_cached)
+            if request.num_preemptions == 0:  # the prompt tokens the cache served (vLLM's: the first admission's)
+                request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             if request.scheduled_time is None:
                 request.scheduled_time = self.clock()

@@ -61,6 +61,16 @@ def test_preemption_keeps_outputs(reference):
         assert_greedy_matches(out.outputs[0].token_ids, tokens, logits)
 
 
+def test_a_preempted_request_reports_the_cached_tokens_of_its_first_admission():
+    """`num_cached_tokens` counts the prompt tokens the prefix cache served at the first admission, as
+    vLLM's does: a request preempted and recomputed finds its own blocks (prompt and output) cached,
+    which is no hit (it once reported them, even more tokens than its prompt has)."""
+    engine = tiny_engine(kv_cache_memory_bytes=25 * 8 * engine_bytes_per_token("tiny-gqa"))
+    outputs = run_to_completion(engine, PROMPTS)
+    assert any(o.metrics.num_preemptions for o in outputs[3:])
+    assert [o.num_cached_tokens for o in outputs[3:]] == [0] * 4  # prompts that share nothing
+
+
 def test_prefix_cache_hits_shared_prompts():
     engine = tiny_engine()
     run_to_completion(engine, PROMPTS[:1])
