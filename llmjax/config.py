@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")  # the attention kernels read these
+DTYPES = KV_CACHE_DTYPES  # the model's weights and activations: the same three
 
 
 class ConfigError(ValueError):
@@ -302,6 +303,9 @@ class EngineConfig:
     finishes; between them a step only records its tokens, so larger values cut the host's work
     per token (and the server's events) at the price of coarser streaming. Requests with n > 1 get
     an output every step.
+    `queue_order` "lpm" (SGLang's longest prefix match) orders the waiting requests by their cached
+    prefix, so it needs `enable_prefix_caching` (SGLang falls back to FCFS without its radix cache;
+    here the combination is refused). `dtype` is one of `DTYPES` (None: `loader.default_dtype()`).
     """
 
     max_num_batched_tokens: int = 512
@@ -336,6 +340,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ConfigError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size & (self.block_size - 1):
@@ -344,6 +350,9 @@ class EngineConfig:
             raise ConfigError(f"unknown scheduling_policy {self.scheduling_policy!r}")
         if self.queue_order not in ("fcfs", "lpm"):
             raise ConfigError(f"unknown queue_order {self.queue_order!r}")
+        if self.queue_order == "lpm" and not self.enable_prefix_caching:
+            raise ConfigError("queue_order 'lpm' orders the waiting requests by their cached prefix: "
+                              "it needs enable_prefix_caching")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 "without chunked prefill a whole prompt must fit one step: "
@@ -351,8 +360,10 @@ class EngineConfig:
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
-        if self.max_delay < 0:
-            raise ConfigError("max_delay must be >= 0")
+        if not 0 <= self.max_delay < math.inf:
+            raise ConfigError(f"max_delay must be a finite number of seconds >= 0, got {self.max_delay}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.coordinator_address is None and (self.num_processes, self.process_id) != (None, None):

@@ -17,6 +17,11 @@ ENGINE_ERRORS = [
     (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(max_delay=-0.1), "max_delay"),
+    (dict(max_delay=float("inf")), "max_delay must be a finite number"),
+    (dict(max_delay=float("nan")), "max_delay must be a finite number"),
+    (dict(seed=-1), "seed must be >= 0"),
+    (dict(dtype="int8"), "dtype must be one of"),
+    (dict(queue_order="lpm", enable_prefix_caching=False), "queue_order 'lpm' .* needs enable_prefix_caching"),
     (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes must be positive"),
     (dict(kv_cache_dtype="int8"), "kv_cache_dtype must be one of"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
@@ -35,6 +40,7 @@ def test_engine_config_accepts_its_edges():
     EngineConfig(block_size=1, gpu_memory_utilization=1.0, max_delay=0.0)
     EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=2048, max_model_len=2048)
     EngineConfig(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=1)
+    EngineConfig(queue_order="lpm", enable_prefix_caching=True, dtype="float16", seed=0)
 
 
 GQA, MLA = PRESETS["tiny-gqa"], PRESETS["tiny-mla"]
