@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import jax
 
+from llmjax.config import ConfigError
+
 BACKENDS = ("xla", "cpu", "pallas", "pallas-interpret")
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 PALLAS_VERIFIED_JAX: tuple[str, ...] = ()  # JAX versions on which gpu_check.py passed on a GPU
@@ -81,26 +83,26 @@ def default_backend_name(platform: str | None = None, jax_version: str | None = 
 
 
 def get_attention_backend(name: str | None = None) -> AttentionBackend:
-    """The backend called `name` (None: the platform's default). Raises ValueError for an
-    unknown name, for "cpu" off the CPU platform or without its native kernel (the logged
-    warning says why), or for "pallas" without a GPU (use "pallas-interpret" there)."""
+    """The backend called `name` (None: the platform's default). Raises `ConfigError` (a
+    ValueError) for an unknown name, for "cpu" off the CPU platform or without its native kernel
+    (the logged warning says why), or for "pallas" without a GPU (use "pallas-interpret" there)."""
     name = name or default_backend_name()
     if name == "xla":
         from llmjax.attention import xla
         return AttentionBackend(name, xla.ragged_paged_attention, xla.mla_ragged_paged_attention)
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
+        raise ConfigError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
     if name == "cpu":
         from llmjax.attention import cpu, native, xla
         if jax.default_backend() != "cpu":
-            raise ValueError(f"attention backend 'cpu' needs the CPU platform (platform is "
+            raise ConfigError(f"attention backend 'cpu' needs the CPU platform (platform is "
                              f"{jax.default_backend()!r})")
         if not native.available():
-            raise ValueError("attention backend 'cpu': the native kernel is unavailable "
+            raise ConfigError("attention backend 'cpu': the native kernel is unavailable "
                              "(see the logged warning); use 'xla'")
         return AttentionBackend(name, cpu.ragged_paged_attention, xla.mla_ragged_paged_attention)
     if name == "pallas" and jax.default_backend() not in _GPU_PLATFORMS:
-        raise ValueError(f"attention backend 'pallas' needs a GPU (platform is "
+        raise ConfigError(f"attention backend 'pallas' needs a GPU (platform is "
                          f"{jax.default_backend()!r}); use 'pallas-interpret' or 'xla'")
     import pallas_kernels
     interpret = name == "pallas-interpret"

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 from typing import Callable
 
+from llmjax.config import ConfigError
+
 
 def num_blocks_from_budget(budget_bytes: int, block_size: int, kv_bytes_per_token: int) -> int:
     """Blocks (null block included) that fit in `budget_bytes`.
 
-    ValueError when the budget holds fewer than 2 blocks (the null block and one usable block).
+    `ConfigError` (a ValueError) when the budget holds fewer than 2 blocks (the null block and one
+    usable block); ValueError for a non-positive block size or bytes per token.
     """
     _check_positive(block_size=block_size, kv_bytes_per_token=kv_bytes_per_token)
     block_bytes = block_size * kv_bytes_per_token
     num_blocks = max(budget_bytes, 0) // block_bytes
     if num_blocks < 2:
-        raise ValueError(
+        raise ConfigError(
             f"KV budget of {budget_bytes} bytes holds {num_blocks} blocks of {block_bytes} bytes "
             f"({block_size} tokens x {kv_bytes_per_token} bytes/token); at least 2 are needed "
             f"(the null block and one usable block): raise the budget to >= {2 * block_bytes} bytes"
@@ -63,20 +66,21 @@ def kv_budget_bytes(utilization: float, memory_stats: MemoryStats, profile: Call
     before the profile (weights, anything else alive) and the peak's growth during it
     (activations, workspace) are charged against `utilization x bytes_limit`. The allocator's peak
     is a lifetime peak, so an earlier higher peak (weight loading) can only overstate the
-    activations: the budget errs small. ValueError when nothing is left.
+    activations: the budget errs small. `ConfigError` (a ValueError) for a utilization outside
+    (0, 1], without a memory report, or when nothing is left.
     """
     if not 0 < utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+        raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     before = memory_stats()
     if before is None:
-        raise ValueError("no device memory report: size the KV cache with kv_cache_memory_bytes")
+        raise ConfigError("no device memory report: size the KV cache with kv_cache_memory_bytes")
     profile()
     after = memory_stats() or before
     resident = before["bytes_in_use"]
     activations = max(0, after.get("peak_bytes_in_use", 0) - resident)
     budget = int(utilization * before["bytes_limit"]) - resident - activations
     if budget <= 0:
-        raise ValueError(
+        raise ConfigError(
             f"no memory left for the KV cache: {utilization:.2f} x {before['bytes_limit'] / 2**30:.2f} GiB "
             f"- {resident / 2**30:.2f} GiB resident (weights) - {activations / 2**30:.2f} GiB peak "
             "activations of the largest step <= 0; raise gpu_memory_utilization or lower "
