@@ -2,6 +2,11 @@
 
 Engine flags follow vLLM's names (`--max-num-batched-tokens`, `--max-num-seqs`, `--block-size`,
 `--max-model-len`, `--enable-prefix-caching/--no-enable-prefix-caching`, ...).
+
+Bad input ends the command with `error: MESSAGE` and a non-zero status, never a traceback: a flag
+argparse refuses on its own (`llmjax/cli_types.py`) or with the others (each subcommand's `checks`,
+before anything starts: status 2), or a model, file or setting found unusable while the engine is
+built (status 1).
 """
 
 from __future__ import annotations
@@ -9,16 +14,36 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmjax.engine_args import add_engine_args, engine_config_from_args
+from llmjax.cli_types import UsageError
+from llmjax.config import ConfigError
+from llmjax.engine_args import add_engine_args, engine_config_from_args, exit_on_user_error
 from llmjax.serve.server import UVICORN_LOG_LEVELS, add_keep_alive_arg, add_serve_args
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """UsageError unless the engine flags make a valid `EngineConfig`."""
+    try:
+        engine_config_from_args(args)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    """`llmjax generate`'s `SamplingParams`; UsageError for an invalid value."""
+    from llmjax.sampling_params import SamplingParams, SamplingParamsError
+
+    try:
+        return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_p=args.top_p)
+    except SamplingParamsError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from llmjax.llm import LLM
-    from llmjax.sampling_params import SamplingParams
 
-    llm = LLM(args.model, seed=args.seed, engine_config=engine_config_from_args(args))
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_p=args.top_p)
+    params = sampling_params_from_args(args)
+    with exit_on_user_error():
+        llm = LLM(args.model, seed=args.seed, engine_config=engine_config_from_args(args))
     try:
         if args.raw:
             [out] = llm.generate(args.prompt, params)
@@ -67,18 +92,18 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.set_defaults(func=cmd_generate)
+    gen.set_defaults(func=cmd_generate, checks=(check_engine_args, sampling_params_from_args))
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     add_engine_args(serve)
     add_serve_args(serve)
-    serve.set_defaults(func=cmd_serve)
+    serve.set_defaults(func=cmd_serve, checks=(check_engine_args,))
 
     from llmjax.bench import add_bench_args
 
     bench = sub.add_parser("bench", help="benchmark a running server (like `vllm bench serve`)")
     add_bench_args(bench)
-    bench.set_defaults(func=cmd_bench)
+    bench.set_defaults(func=cmd_bench, checks=())
 
     from llmjax.serve.routing import add_router_args
 
@@ -89,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     router.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     add_keep_alive_arg(router)
     add_router_args(router)
-    router.set_defaults(func=cmd_router)
+    router.set_defaults(func=cmd_router, checks=())
 
     cluster = sub.add_parser("cluster", help="N `llmjax serve` replicas and the router on this machine")
     add_engine_args(cluster)
@@ -101,9 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     cluster.add_argument("--replica-startup-timeout", type=float, default=900.0, help="seconds")
     add_serve_args(cluster, address=False)  # the replicas' flags
     add_router_args(cluster)
-    cluster.set_defaults(func=cmd_cluster)
+    cluster.set_defaults(func=cmd_cluster, checks=(check_engine_args,))
 
     args = parser.parse_args(argv)
+    try:
+        for check in args.checks:
+            check(args)
+    except UsageError as exc:
+        sub.choices[args.command].error(str(exc))
     args.func(args)
 
 

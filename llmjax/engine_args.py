@@ -3,27 +3,38 @@
 `add_engine_args(parser)` defines one flag per `EngineConfig` field (its `dest` is the field's
 name) plus the positional model; `engine_config_from_args(args)` builds the config from every
 field of the dataclass, so a field without a flag is an error here, not a silent default.
+`exit_on_user_error()` turns the errors of building an engine from them that are the user's
+(a bad flag, model path or file) into `error: ...` exits.
 Shared by `llmjax generate | serve | cluster` and the experiments.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import sys
+from typing import Iterator
 
 from llmjax.attention.backend import BACKENDS
-from llmjax.config import KV_CACHE_DTYPES, EngineConfig
+from llmjax.config import DTYPES, KV_CACHE_DTYPES, ConfigError, EngineConfig
+
+# Flags that only the batching policies named here read; default None, so that giving one to another
+# policy, where it would have no effect, is an error (the config's default fills in when not given).
+POLICY_FLAGS = {"batch_size": ("--batch-size", ("static", "dynamic")), "max_delay": ("--max-delay", ("dynamic",))}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     parser.add_argument("model", nargs="?", default=None,
-                        help="'smollm2' (default, the embedded model), a preset (tiny-gqa, ...), a .gguf file or a HF folder")
+                        help="'smollm2' (default, the embedded model), a preset (tiny-gqa, ...), a .gguf file "
+                             "or a HF folder")
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=d.enable_prefix_caching)
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                         default=d.enable_chunked_prefill)
     parser.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory_bytes, dest="kv_cache_memory_bytes",
@@ -34,14 +45,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV cache dtype (default: --dtype)")
     parser.add_argument("--scheduling-policy", choices=["continuous", "static", "dynamic"], default=d.scheduling_policy)
     parser.add_argument("--queue-order", choices=["fcfs", "lpm"], default=d.queue_order)
-    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="static/dynamic batch size")
-    parser.add_argument("--max-delay", type=float, default=d.max_delay, help="dynamic batching timeout (s)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help=f"static/dynamic batching: requests per batch (default: {d.batch_size})")
+    parser.add_argument("--max-delay", type=float, default=None,
+                        help=f"dynamic batching: seconds a batch waits to fill (default: {d.max_delay})")
     parser.add_argument("--attention-backend", choices=BACKENDS, default=d.attention_backend,
                         help="default: 'cpu' (the native attention kernel) on CPU when it compiles, else 'xla' "
                              "(see docs/architecture.md, 'Choosing an implementation')")
-    parser.add_argument("--dtype", default=d.dtype,
-                        help="bfloat16 (default on a GPU and on a CPU with AVX512-BF16 or AMX-BF16) "
-                             "or float32 (default on other CPUs)")
+    parser.add_argument("--dtype", default=d.dtype, choices=DTYPES,
+                        help="default: bfloat16 on a GPU and on a CPU with AVX512-BF16 or AMX-BF16, "
+                             "float32 on other CPUs")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                         help="dispatch each step before the previous one's tokens reach the host")
@@ -58,5 +71,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """`EngineConfig` from the parsed flags: one per dataclass field (AttributeError if one is missing)."""
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    """`EngineConfig` from the parsed flags: one per dataclass field (AttributeError if one is missing).
+    `ConfigError` for an invalid config, and for a `POLICY_FLAGS` flag given to a policy that does not
+    read it."""
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    values = {name: getattr(args, name) for name in fields}
+    for name, (flag, policies) in POLICY_FLAGS.items():
+        if values[name] is None:
+            values[name] = fields[name].default
+        elif values["scheduling_policy"] not in policies:
+            raise ConfigError(f"{flag} applies to --scheduling-policy {' or '.join(policies)} only, "
+                              f"not {values['scheduling_policy']}")
+    return EngineConfig(**values)
+
+
+@contextlib.contextmanager
+def exit_on_user_error() -> Iterator[None]:
+    """Exit with `error: MESSAGE` (status 1) when the block fails on the user's input: `ConfigError`
+    (a configuration llmjax cannot serve, an attention backend not usable on this machine, a KV
+    budget too small), `WeightLoadError` (weights that do not match their config) or `OSError` (a
+    model path that does not exist or cannot be read). Other exceptions are bugs and propagate."""
+    from llmjax.models.loader import WeightLoadError
+
+    try:
+        yield
+    except (ConfigError, WeightLoadError, OSError) as exc:
+        sys.exit(f"error: {exc}")

@@ -140,7 +140,7 @@ def wait_healthy(replicas: list[Replica], timeout: float) -> None:
     while pending:
         for r in replicas:
             if not r.proc.is_alive():
-                raise SystemExit(f"replica {r.url} exited with status {r.proc.exitcode} during startup")
+                raise SystemExit(f"error: replica {r.url} exited with status {r.proc.exitcode} during startup")
         for url in sorted(pending):
             try:
                 if httpx.get(f"{url}/health", timeout=5).status_code == 200:
@@ -149,16 +149,21 @@ def wait_healthy(replicas: list[Replica], timeout: float) -> None:
             except httpx.HTTPError:
                 pass
         if pending and time.monotonic() > deadline:
-            raise SystemExit(f"replicas not healthy after {timeout:.0f} s: {sorted(pending)}")
+            raise SystemExit(f"error: replicas not healthy after {timeout:.0f} s: {sorted(pending)}")
         time.sleep(POLL_S)
 
 
 def run_cluster(args: argparse.Namespace) -> None:
-    """Start the replicas, wait for them, serve the router while supervising them; stop them at the end."""
+    """Start the replicas, wait for them, serve the router while supervising them; stop them at the end.
+    The model path is checked before any replica starts."""
+    from llmjax.engine_args import exit_on_user_error
+    from llmjax.models.loader import resolve_source
     from llmjax.serve.router import serve_router
 
     if args.replicas < 1:
         raise SystemExit("--replicas must be at least 1")
+    with exit_on_user_error():
+        resolve_source(args.model)  # a bad path fails here once, not in every replica
     base = args.replica_base_port or args.port + 1
     replicas = [Replica(args, base + i) for i in range(args.replicas)]
     supervisor = Supervisor(replicas)

@@ -18,6 +18,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from llmjax.cli_types import port, positive_seconds
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
@@ -30,7 +32,7 @@ def add_serve_args(parser: argparse.ArgumentParser, address: bool = True) -> Non
     """The flags of one server besides the engine's; `address`: also `--host` and `--port`."""
     if address:
         parser.add_argument("--host", default="127.0.0.1")
-        parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument("--port", type=port, default=8000)
     parser.add_argument("--served-model-name", default=None, help="the name clients send (default: the model's)")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="compile the common step shapes before accepting requests")
@@ -48,16 +50,6 @@ def add_keep_alive_arg(parser: argparse.ArgumentParser) -> None:
                         help="seconds an idle HTTP connection is kept open (default: %(default)s); set it above "
                              "the idle timeout of a proxy or client pool that reuses connections, or their requests "
                              "can fail on a connection closed under them")
-
-
-def positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:
@@ -95,10 +87,10 @@ def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info",
 
 
 def run_server(args: argparse.Namespace) -> None:
-    """`llmjax serve`: exits with status 1 on a bad configuration or when the engine loop dies."""
-    from llmjax.config import ConfigError
+    """`llmjax serve`: exits with status 1 on a bad configuration, model or file (`error: ...`,
+    `exit_on_user_error`) or when the engine loop dies."""
     from llmjax.engine import LLMEngine, freeze_gc_heap
-    from llmjax.engine_args import engine_config_from_args
+    from llmjax.engine_args import engine_config_from_args, exit_on_user_error
     from llmjax.models.loader import resolve_source
     from llmjax.serve.api import build_app
 
@@ -108,12 +100,10 @@ def run_server(args: argparse.Namespace) -> None:
                     "(set --api-key or LLMJAX_API_KEY)", args.host)
         print(f"warning: no API key while binding {args.host}", file=sys.stderr, flush=True)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
-    name = args.served_model_name or resolve_source(args.model).name
-    try:
+    with exit_on_user_error():
+        name = args.served_model_name or resolve_source(args.model).name
         engine = LLMEngine.from_config(args.model, engine_config_from_args(args), seed=args.seed)
         app = build_app(engine, name, api_key, origins)
-    except ConfigError as exc:
-        sys.exit(f"error: {exc}")
     if args.warmup:
         engine.warmup()
     freeze_gc_heap()

@@ -1,0 +1,135 @@
+"""`llmjax`'s command line refuses bad input with `error: ...` and a non-zero status, never a
+traceback: flag by flag at parse time (status 2), flag combinations before anything starts
+(status 2), and what only building the engine finds (a model path, a backend, a KV budget;
+status 1). Parse-level, or on the tiny presets."""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import pytest
+
+from llmjax.cli import main
+from llmjax.config import EngineConfig
+from llmjax.engine_args import add_engine_args, engine_config_from_args
+
+
+@pytest.fixture
+def cli_error(capsys):
+    """`cli_error(*argv)`: the error line `llmjax ARGV` ends with, and its exit status."""
+
+    def run(*argv: str) -> tuple[str, int]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(list(argv))
+        code = exit_info.value.code
+        if isinstance(code, str):  # sys.exit("error: ..."): Python prints it, status 1
+            return code, 1
+        lines = capsys.readouterr().err.strip().splitlines()
+        return lines[-1] if lines else "", code
+
+    return run
+
+
+@pytest.fixture
+def usage_error(cli_error, monkeypatch):
+    """`usage_error(argv, message)`: assert that `llmjax ARGV` stops at parse time (argparse's
+    `llmjax CMD: error: ...`, status 2) with `message`; building an engine, starting a replica or a
+    router fails the test instead (a check that let the flags through)."""
+    from llmjax.engine import LLMEngine
+    from llmjax.serve import cluster, router
+
+    def started(*args, **kwargs):
+        raise AssertionError("the command started instead of refusing its flags")
+
+    monkeypatch.setattr(LLMEngine, "from_config", started)
+    monkeypatch.setattr(cluster.Replica, "start", started)
+    monkeypatch.setattr(router, "serve_router", started)
+
+    def check(argv: list[str], message: str) -> None:
+        line, status = cli_error(*argv)
+        assert status == 2 and f"llmjax {argv[0]}: error: " in line and message in line, line
+
+    return check
+
+
+# --- engine flags: generate, serve and cluster alike ---------------------------------------------------
+COMMANDS = [["generate", "tiny-gqa", "--prompt", "hi"], ["serve", "tiny-gqa"],
+            ["cluster", "tiny-gqa", "--replicas", "1"]]
+ENGINE_FLAG_ERRORS = [
+    (["--max-num-seqs", "0"], "max_num_seqs must be positive, got 0"),
+    (["--block-size", "24"], "block_size must be a power of two"),
+    (["--gpu-memory-utilization", "0"], "gpu_memory_utilization"),
+    (["--kv-cache-memory", "-1"], "kv_cache_memory_bytes must be positive"),
+    (["--seed", "-1"], "seed must be >= 0"),
+    (["--dtype", "int7"], "argument --dtype: invalid choice: 'int7'"),
+    (["--queue-order", "lpm", "--no-enable-prefix-caching"], "queue_order 'lpm'"),
+    (["--batch-size", "4"], "--batch-size applies to --scheduling-policy static or dynamic only, not continuous"),
+    (["--max-delay", "0.1"], "--max-delay applies to --scheduling-policy dynamic only, not continuous"),
+    (["--scheduling-policy", "static", "--max-delay", "0.1"], "--max-delay applies to --scheduling-policy dynamic"),
+    (["--scheduling-policy", "dynamic", "--max-delay", "inf"], "max_delay must be a finite number of seconds"),
+    (["--scheduling-policy", "dynamic", "--batch-size", "0"], "batch_size must be positive"),
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+@pytest.mark.parametrize("flags, message", ENGINE_FLAG_ERRORS)
+def test_bad_engine_flags_are_usage_errors_before_anything_starts(usage_error, command, flags, message):
+    usage_error(command + flags, message)
+
+
+def engine_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_batching_flags_reach_the_config_of_their_policy_and_default_otherwise():
+    default = EngineConfig()
+    config = engine_config_from_args(engine_args("--scheduling-policy", "dynamic", "--batch-size", "3",
+                                                 "--max-delay", "0.5"))
+    assert (config.scheduling_policy, config.batch_size, config.max_delay) == ("dynamic", 3, 0.5)
+    config = engine_config_from_args(engine_args("--scheduling-policy", "static", "--batch-size", "5"))
+    assert (config.batch_size, config.max_delay) == (5, default.max_delay)
+    config = engine_config_from_args(engine_args())
+    assert (config.scheduling_policy, config.batch_size, config.max_delay) == ("continuous", default.batch_size,
+                                                                              default.max_delay)
+    assert engine_config_from_args(engine_args("--dtype", "float16")).dtype == "float16"
+
+
+@pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "temperature must be >= 0"),
+                                            (["--max-tokens", "0"], "max_tokens"),
+                                            (["--top-p", "1.5"], "top_p")])
+def test_generate_checks_its_sampling_values_before_building_the_engine(usage_error, flags, message):
+    usage_error(["generate", "tiny-gqa", "--prompt", "hi", *flags], message)
+
+
+# --- what only building the engine finds: `error: ...`, status 1 -----------------------------------------
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_an_unknown_model_is_an_error_not_a_traceback(cli_error, command):
+    line, status = cli_error(command[0], "no-such-model", *command[2:])
+    assert status == 1 and line.startswith("error: model 'no-such-model' is neither a preset"), line
+
+
+def test_an_attention_backend_not_usable_here_is_an_error(cli_error):
+    unusable = "pallas" if jax.default_backend() == "cpu" else "cpu"
+    line, status = cli_error("generate", "tiny-gqa", "--prompt", "hi", "--attention-backend", unusable)
+    assert status == 1 and line.startswith(f"error: attention backend '{unusable}' needs"), line
+
+
+def test_a_kv_budget_below_two_blocks_is_an_error(cli_error):
+    line, status = cli_error("serve", "tiny-gqa", "--kv-cache-memory", "1000", "--no-warmup", "--attention-backend",
+                             "xla")
+    assert status == 1 and line.startswith("error: KV budget of 1000 bytes holds 0 blocks"), line
+
+
+def test_an_internal_error_keeps_its_traceback(monkeypatch):
+    """Only the user's errors become `error:` exits: a bug raises as it is."""
+    import llmjax.llm
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(llmjax.llm, "LLM", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["generate", "tiny-gqa", "--prompt", "hi"])
