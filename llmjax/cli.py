@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from llmjax import cli_types
 from llmjax.cli_types import UsageError
 from llmjax.config import ConfigError
 from llmjax.engine_args import add_engine_args, engine_config_from_args, exit_on_user_error
@@ -69,10 +70,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def cmd_router(args: argparse.Namespace) -> None:
     from llmjax.serve.router import serve_router
 
-    urls = [u for u in args.workers.split(",") if u]
-    if not urls:
-        sys.exit("error: --workers needs at least one URL")
-    serve_router(urls, args)
+    serve_router(args.workers, args)
 
 
 def cmd_cluster(args: argparse.Namespace) -> None:
@@ -105,28 +103,32 @@ def main(argv: list[str] | None = None) -> None:
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench, checks=())
 
-    from llmjax.serve.routing import add_router_args
+    from llmjax.serve.routing import add_router_args, check_router_args
 
     router = sub.add_parser("router", help="route requests over several `llmjax serve` replicas")
-    router.add_argument("--workers", required=True, help="comma-separated replica URLs: http://h1:8000,http://h2:8000")
+    router.add_argument("--workers", type=cli_types.server_urls, required=True,
+                        help="comma-separated replica URLs: http://h1:8000,http://h2:8000")
     router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--port", type=cli_types.port, default=8000)
     router.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     add_keep_alive_arg(router)
     add_router_args(router)
-    router.set_defaults(func=cmd_router, checks=())
+    router.set_defaults(func=cmd_router, checks=(check_router_args,))
+
+    from llmjax.serve.cluster import check_cluster_args
 
     cluster = sub.add_parser("cluster", help="N `llmjax serve` replicas and the router on this machine")
     add_engine_args(cluster)
-    cluster.add_argument("--replicas", type=int, required=True)
+    cluster.add_argument("--replicas", type=cli_types.positive_int, required=True)
     cluster.add_argument("--host", default="127.0.0.1", help="the router's address")
-    cluster.add_argument("--port", type=int, default=8000, help="the router's port")
-    cluster.add_argument("--replica-base-port", type=int, default=None,
+    cluster.add_argument("--port", type=cli_types.port, default=8000, help="the router's port")
+    cluster.add_argument("--replica-base-port", type=cli_types.port, default=None,
                          help="replica i listens on 127.0.0.1:(this + i) (default: --port + 1)")
-    cluster.add_argument("--replica-startup-timeout", type=float, default=900.0, help="seconds")
+    cluster.add_argument("--replica-startup-timeout", type=cli_types.positive_seconds, default=900.0,
+                         help="seconds every replica has to answer /health with 200 (default: %(default)s)")
     add_serve_args(cluster, address=False)  # the replicas' flags
     add_router_args(cluster)
-    cluster.set_defaults(func=cmd_cluster, checks=(check_engine_args,))
+    cluster.set_defaults(func=cmd_cluster, checks=(check_engine_args, check_router_args, check_cluster_args))
 
     args = parser.parse_args(argv)
     try:

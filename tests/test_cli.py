@@ -10,9 +10,11 @@ import argparse
 import jax
 import pytest
 
+from llmjax import cli_types
 from llmjax.cli import main
 from llmjax.config import EngineConfig
 from llmjax.engine_args import add_engine_args, engine_config_from_args
+from llmjax.serve import routing
 
 
 @pytest.fixture
@@ -133,3 +135,67 @@ def test_an_internal_error_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(llmjax.llm, "LLM", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["generate", "tiny-gqa", "--prompt", "hi"])
+
+
+# --- router and cluster flags ------------------------------------------------------------------------------
+ROUTER_FLAG_ERRORS = [
+    (["--max-tree-chars", "0"], "argument --max-tree-chars: expected a positive integer"),
+    (["--health-check-interval", "0"], "argument --health-check-interval: expected a positive number of seconds"),
+    (["--health-check-interval", "inf"], "argument --health-check-interval"),
+    (["--health-check-timeout", "-1"], "argument --health-check-timeout"),
+    (["--health-failure-threshold", "0"], "argument --health-failure-threshold: expected a positive integer"),
+    (["--cache-threshold", "1.5"], "argument --cache-threshold: expected a number in [0, 1]"),
+    (["--balance-abs-threshold", "-1"], "argument --balance-abs-threshold: expected an integer >= 0"),
+    (["--balance-rel-threshold", "0"], "argument --balance-rel-threshold"),
+    (["--policy", "round_robin", "--max-tree-chars", "100"], "--max-tree-chars applies to --policy cache_aware only"),
+    (["--policy", "least_load", "--cache-threshold", "0.3", "--balance-abs-threshold", "4"],
+     "--cache-threshold, --balance-abs-threshold apply to --policy cache_aware only, not least_load"),
+]
+
+
+@pytest.mark.parametrize("command", [["router", "--workers", "http://127.0.0.1:9"], ["cluster", "--replicas", "1"]],
+                         ids=lambda c: c[0])
+@pytest.mark.parametrize("flags, message", ROUTER_FLAG_ERRORS)
+def test_bad_router_flags_are_usage_errors(usage_error, command, flags, message):
+    usage_error(command + flags, message)
+
+
+@pytest.mark.parametrize("workers, message", [
+    ("127.0.0.1:8000", "expected a URL like http://127.0.0.1:8000"),
+    ("ftp://h:21", "expected a URL like"),
+    ("http://", "expected a URL like"),
+    ("http://h:99999", "bad URL"),
+    ("http://h:8000/v1", "expected the server's root URL, without a path"),
+    ("http://h:8000,http://h:8000/", "a URL is listed twice"),
+    (",", "expected at least one URL"),
+])
+def test_worker_urls_need_a_scheme_and_a_host_and_no_path(usage_error, workers, message):
+    usage_error(["router", "--workers", workers], f"argument --workers: {message}")
+
+
+def test_worker_urls_and_router_defaults_as_parsed():
+    assert cli_types.server_urls("http://a:1/, https://b") == ["http://a:1", "https://b"]
+    parser = argparse.ArgumentParser()
+    routing.add_router_args(parser)
+    policy = routing.policy_from_args(parser.parse_args([]))
+    assert (policy.cache_threshold, policy.max_tree_chars) == (routing.DEFAULT_CACHE_THRESHOLD,
+                                                              routing.DEFAULT_MAX_TREE_CHARS)
+    policy = routing.policy_from_args(parser.parse_args(["--max-tree-chars", "64", "--cache-threshold", "0"]))
+    assert (policy.cache_threshold, policy.max_tree_chars) == (0.0, 64)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--port", "65536"], "argument --port: expected a port in 0..65535"),
+    (["router", "--workers", "http://h:1", "--port", "-1"], "argument --port: expected a port in 0..65535"),
+    (["cluster", "--replicas", "0"], "argument --replicas: expected a positive integer"),
+    (["cluster", "--replicas", "1", "--replica-startup-timeout", "0"], "argument --replica-startup-timeout"),
+    (["cluster", "--replicas", "1", "--port", "70000"], "argument --port"),
+    (["cluster", "--replicas", "2", "--replica-base-port", "65535"], "the replicas' ports 65535..65536"),
+    (["cluster", "--replicas", "1", "--port", "65535"], "the replicas' ports 65536..65536"),
+    (["cluster", "--replicas", "1", "--replica-base-port", "0"], "the replicas' ports 0..0"),
+    (["cluster", "--replicas", "3", "--port", "8002", "--replica-base-port", "8000"],
+     "--port 8002 is also a replica's"),
+    (["cluster", "--replicas", "1", "--port", "0"], "--port 0 (any free port) leaves the replicas' ports unknown"),
+])
+def test_ports_and_replicas_are_range_checked(usage_error, argv, message):
+    usage_error(argv, message)

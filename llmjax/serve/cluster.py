@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from llmjax.cli_types import UsageError
 from llmjax.serve.server import run_server
 
 STOP_TIMEOUT_S = 30.0
@@ -153,19 +154,34 @@ def wait_healthy(replicas: list[Replica], timeout: float) -> None:
         time.sleep(POLL_S)
 
 
+def replica_ports(args: argparse.Namespace) -> range:
+    """The replicas' ports: `--replicas` of them from `--replica-base-port` (default: `--port` + 1)."""
+    base = args.port + 1 if args.replica_base_port is None else args.replica_base_port
+    return range(base, base + args.replicas)
+
+
+def check_cluster_args(args: argparse.Namespace) -> None:
+    """UsageError unless every replica port is in 1..65535 and none is the router's `--port`."""
+    ports = replica_ports(args)
+    if args.replica_base_port is None and args.port == 0:
+        raise UsageError("--port 0 (any free port) leaves the replicas' ports unknown: give --replica-base-port")
+    if ports[0] < 1 or ports[-1] > 65535:
+        raise UsageError(f"the replicas' ports {ports[0]}..{ports[-1]} (one per replica from --replica-base-port, "
+                         "default --port + 1) must be in 1..65535")
+    if args.port in ports:
+        raise UsageError(f"--port {args.port} is also a replica's port ({ports[0]}..{ports[-1]})")
+
+
 def run_cluster(args: argparse.Namespace) -> None:
     """Start the replicas, wait for them, serve the router while supervising them; stop them at the end.
-    The model path is checked before any replica starts."""
+    The flags are checked (`check_cluster_args`, the model path) before any replica starts."""
     from llmjax.engine_args import exit_on_user_error
     from llmjax.models.loader import resolve_source
     from llmjax.serve.router import serve_router
 
-    if args.replicas < 1:
-        raise SystemExit("--replicas must be at least 1")
     with exit_on_user_error():
         resolve_source(args.model)  # a bad path fails here once, not in every replica
-    base = args.replica_base_port or args.port + 1
-    replicas = [Replica(args, base + i) for i in range(args.replicas)]
+    replicas = [Replica(args, port) for port in replica_ports(args)]
     supervisor = Supervisor(replicas)
     # SIGTERM unwinds to `finally` (uvicorn re-raises the signal it caught after its shutdown).
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

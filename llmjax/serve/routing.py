@@ -27,6 +27,8 @@ import itertools
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
+from llmjax.cli_types import UsageError, fraction, non_negative_int, positive_int, positive_number, positive_seconds
+
 Worker = Hashable
 
 # SGLang router's original defaults (sglang_router's RouterArgs and CacheAwareConfig; its tree limit
@@ -269,28 +271,43 @@ def make_policy(name: str, **cache_aware_options) -> RoutingPolicy:
 
 
 # --- command line -----------------------------------------------------------------------------------
+# Flags only `cache_aware` reads: default None, so that giving one to another policy is an error.
+CACHE_AWARE_FLAGS = {"cache_threshold": "--cache-threshold", "balance_abs_threshold": "--balance-abs-threshold",
+                     "balance_rel_threshold": "--balance-rel-threshold", "max_tree_chars": "--max-tree-chars"}
+
+
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     """The router's flags: policy, thresholds, health checks (`llmjax router`, `llmjax cluster`)."""
     parser.add_argument("--policy", choices=POLICIES, default="cache_aware")
-    parser.add_argument("--cache-threshold", type=float, default=DEFAULT_CACHE_THRESHOLD,
+    parser.add_argument("--cache-threshold", type=fraction, default=None,
                         help="cache_aware: go to the best-matching worker when more than this fraction of the "
-                             "request's text matches its tree (default %(default)s)")
-    parser.add_argument("--balance-abs-threshold", type=int, default=DEFAULT_BALANCE_ABS_THRESHOLD,
+                             f"request's text matches its tree (default {DEFAULT_CACHE_THRESHOLD})")
+    parser.add_argument("--balance-abs-threshold", type=non_negative_int, default=None,
                         help="cache_aware: the load is imbalanced when max - min requests in flight exceeds this "
-                             "(default %(default)s) and max exceeds --balance-rel-threshold times min")
-    parser.add_argument("--balance-rel-threshold", type=float, default=DEFAULT_BALANCE_REL_THRESHOLD,
-                        help="cache_aware: see --balance-abs-threshold (default %(default)s)")
-    parser.add_argument("--max-tree-chars", type=int, default=DEFAULT_MAX_TREE_CHARS,
-                        help="cache_aware: characters kept in each worker's tree, LRU eviction (default %(default)s)")
-    parser.add_argument("--health-check-interval", type=float, default=10.0,
+                             f"(default {DEFAULT_BALANCE_ABS_THRESHOLD}) and max exceeds --balance-rel-threshold "
+                             "times min")
+    parser.add_argument("--balance-rel-threshold", type=positive_number, default=None,
+                        help=f"cache_aware: see --balance-abs-threshold (default {DEFAULT_BALANCE_REL_THRESHOLD})")
+    parser.add_argument("--max-tree-chars", type=positive_int, default=None,
+                        help=f"cache_aware: characters kept in each worker's tree, LRU eviction "
+                             f"(default {DEFAULT_MAX_TREE_CHARS})")
+    parser.add_argument("--health-check-interval", type=positive_seconds, default=10.0,
                         help="seconds between /health checks of every worker (default %(default)s)")
-    parser.add_argument("--health-check-timeout", type=float, default=5.0,
+    parser.add_argument("--health-check-timeout", type=positive_seconds, default=5.0,
                         help="seconds a /health check or a connection attempt may take (default %(default)s)")
-    parser.add_argument("--health-failure-threshold", type=int, default=3,
+    parser.add_argument("--health-failure-threshold", type=positive_int, default=3,
                         help="failed /health checks in a row that take a worker out (default %(default)s)")
 
 
+def check_router_args(args: argparse.Namespace) -> None:
+    """UsageError for a `CACHE_AWARE_FLAGS` flag given with another policy (it would have no effect)."""
+    given = [flag for name, flag in CACHE_AWARE_FLAGS.items() if getattr(args, name) is not None]
+    if given and args.policy != "cache_aware":
+        raise UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --policy cache_aware "
+                         f"only, not {args.policy}")
+
+
 def policy_from_args(args: argparse.Namespace) -> RoutingPolicy:
-    return make_policy(args.policy, cache_threshold=args.cache_threshold,
-                       balance_abs_threshold=args.balance_abs_threshold,
-                       balance_rel_threshold=args.balance_rel_threshold, max_tree_chars=args.max_tree_chars)
+    """The policy of the flags; the cache-aware flags not given keep `CacheAware`'s defaults."""
+    options = {name: getattr(args, name) for name in CACHE_AWARE_FLAGS if getattr(args, name) is not None}
+    return make_policy(args.policy, **options)
