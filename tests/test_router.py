@@ -23,6 +23,7 @@ import time
 import httpx
 import pytest
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llmjax.serve.api import build_app
@@ -223,6 +224,28 @@ def test_end_to_end_headers_are_relayed_both_ways():
     assert r.status_code == 429 and r.headers["retry-after"] == "7" and r.headers["x-llmjax-worker"] == url
     assert seen["authorization"] == "Bearer K" and seen["x-request-id"] == "r-1"
     assert seen["content-type"] == "application/json" and seen["host"] != httpx.URL(router).netloc.decode()
+
+
+def test_cors_preflights_are_relayed_to_a_worker_that_answers_them():
+    """A worker's `--allowed-origins` (`build_app`'s CORSMiddleware) answers a browser's preflight
+    through the router as it does without it: allowed origins get their headers, others a 400."""
+    a = StubWorker("a")
+    a.app.add_middleware(CORSMiddleware, allow_origins=["http://ui.example"], allow_methods=["*"], allow_headers=["*"])
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    with running_server(a.app) as url_a, running_server(build_router_app([url_a], RoundRobin(), 3600)) as router:
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"):
+            direct = httpx.options(f"{url_a}{path}", headers=preflight, timeout=TIMEOUT)
+            relayed = httpx.options(f"{router}{path}", headers=preflight, timeout=TIMEOUT)
+            assert relayed.status_code == direct.status_code == 200, (path, relayed.text)
+            assert relayed.headers["access-control-allow-origin"] == "http://ui.example"
+            assert "authorization" in relayed.headers["access-control-allow-headers"]
+        refused = httpx.options(f"{router}/v1/completions", headers={**preflight, "Origin": "http://evil.example"},
+                                timeout=TIMEOUT)
+        assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+        r = httpx.post(f"{router}/v1/completions", json={"prompt": "x"}, headers={"Origin": "http://ui.example"},
+                       timeout=TIMEOUT)
+        assert r.json()["choices"][0]["text"] == "a" and r.headers["access-control-allow-origin"] == "http://ui.example"
 
 
 def test_tenants_are_routed_apart_and_each_sticks_to_its_worker():

@@ -6,7 +6,9 @@
   from the request's routing key: `cache_salt` (the tenant) plus `request_text(body)`. The worker's
   response is relayed as it arrives, chunk by chunk (SSE streams included), with its status code
   and content type; the header `x-llmjax-worker` names the worker.
-- `/v1/models`, `/tokenize`, `/detokenize`: relayed to the least-loaded healthy worker.
+- `/v1/models`, `/tokenize`, `/detokenize`: relayed to the least-loaded healthy worker, and so are
+  CORS preflights (`OPTIONS`) of every relayed path: the workers' `--allowed-origins` answers them,
+  as it answers them without the router.
 - Failures: when a worker fails before the first byte of its response body (no connection, a
   dropped connection, a 503), the request goes to another healthy worker (each worker tried at
   most once; none left: 503). Any other answer, 4xx or 5xx included, is relayed to the client as
@@ -368,6 +370,8 @@ def build_router_app(urls: list[str], policy: routing.RoutingPolicy, health_chec
         app.add_api_route(path, _handler(router, path, routed=True), methods=["POST"])
     for method, path in RELAYED_PATHS:
         app.add_api_route(path, _handler(router, path, routed=False), methods=[method])
+    for path in (*ROUTED_PATHS, *(path for _, path in RELAYED_PATHS)):  # CORS preflights
+        app.add_api_route(path, _handler(router, path, routed=False), methods=["OPTIONS"])
     app.add_api_route("/health", router.health, methods=["GET"])
     app.add_api_route("/metrics", router.metrics_text, methods=["GET"])
     app.add_api_route("/workers", router.worker_list, methods=["GET"])
