@@ -22,6 +22,8 @@ end-to-end latency (mean, p50, p90, p99, in ms), request and token throughput, s
 (SSE events) per request (fewer than its tokens with `--stream-interval` above 1), and goodput
 (requests per second meeting every `--goodput` SLO, e.g. `--goodput ttft:500 tpot:50`).
 Prints a table (and the distinct errors of failed requests); `--result-file` writes the same as JSON.
+`BenchError` when the server cannot be used (unreachable, or no model card at `/v1/models`); the
+command line then exits with `error: ...`, as it does when every request failed.
 
 The streams go through aiohttp, whose C parsers spend about a third of the CPU per SSE event that
 httpx does: on a machine the client shares with the server, a costlier client would take CPU from
@@ -34,6 +36,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -43,9 +46,15 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from llmjax.cli_types import (UsageError, fraction, non_negative_int, positive_int, positive_number,
+                              server_url)
 from llmjax.workloads import SHAREGPT, lognormal_lengths
 
 SLO_NAMES = ("ttft", "tpot", "e2el")
+
+
+class BenchError(Exception):
+    """The benchmark cannot run against this server; the message says why."""
 
 
 @dataclass
@@ -281,21 +290,45 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def parse_slo(item: str) -> tuple[str, float]:
+    """`NAME:MS` (NAME in SLO_NAMES, MS a number of milliseconds > 0) -> (NAME, MS); the type of
+    `--goodput`'s items (argparse.ArgumentTypeError otherwise)."""
+    name, _, value = item.partition(":")
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = math.nan
+    if name not in SLO_NAMES or not 0 < ms < math.inf:
+        raise argparse.ArgumentTypeError(f"expected NAME:MS with NAME in {SLO_NAMES} and MS > 0, got {item!r}")
+    return name, ms
+
+
 def parse_slos(items: list[str]) -> dict[str, float]:
-    slos = {}
-    for item in items:
-        name, _, value = item.partition(":")
-        if name not in SLO_NAMES or not value:
-            raise SystemExit(f"--goodput takes NAME:MS with NAME in {SLO_NAMES}, got {item!r}")
-        slos[name] = float(value)
-    return slos
+    return dict(map(parse_slo, items))
+
+
+async def model_card(session: aiohttp.ClientSession, base_url: str) -> dict:
+    """The first model card of the server's `/v1/models`; BenchError when there is none to read."""
+    try:
+        async with session.get("/v1/models") as response:
+            if response.status != 200:
+                text = (await response.text())[:200]
+                raise BenchError(f"GET {base_url}/v1/models answered {response.status}: {text}")
+            body = await response.json(content_type=None)
+    except aiohttp.ClientConnectionError as exc:
+        raise BenchError(f"cannot connect to {base_url}: {exc}") from None
+    except ValueError:  # not JSON
+        raise BenchError(f"GET {base_url}/v1/models did not answer JSON: is it an OpenAI-compatible server?") from None
+    try:
+        return body["data"][0]
+    except (KeyError, IndexError, TypeError):
+        raise BenchError(f"GET {base_url}/v1/models lists no model: {str(body)[:200]}") from None
 
 
 async def _bench(args: argparse.Namespace) -> dict:
-    slos = parse_slos(args.goodput)
+    slos = dict(args.goodput)
     async with stream_session(args.base_url) as session:
-        async with session.get("/v1/models") as response:
-            card = (await response.json())["data"][0]
+        card = await model_card(session, args.base_url)
         args.model = args.model or card["id"]
 
         def detokenize(ids: list[int]) -> str:  # called while the jobs are built, before any request runs
@@ -310,6 +343,8 @@ async def _bench(args: argparse.Namespace) -> dict:
 
 
 def run_bench(args: argparse.Namespace) -> dict:
+    """Run the benchmark of the flags (`add_bench_args`), print the table, write `--result-file`;
+    the summary. BenchError when the server cannot be used."""
     summary = asyncio.run(_bench(args))
     print(format_table(summary))
     if args.result_file:
@@ -319,22 +354,47 @@ def run_bench(args: argparse.Namespace) -> dict:
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--base-url", type=server_url, default="http://127.0.0.1:8000",
+                        help="the server's root URL (default: %(default)s)")
     parser.add_argument("--model", default=None, help="served model name (default: the server's first)")
     parser.add_argument("--dataset", choices=["random", "sharegpt", "prefix", "multiturn"], default="random")
-    parser.add_argument("--num-prompts", type=int, default=100, help="requests, or conversations for multiturn")
-    parser.add_argument("--random-input-len", type=int, default=1024)
-    parser.add_argument("--random-output-len", type=int, default=128)
-    parser.add_argument("--random-range-ratio", type=float, default=0.0)
-    parser.add_argument("--prefix-groups", type=int, default=4)
-    parser.add_argument("--prefix-len", type=int, default=512)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--token-range", type=int, nargs=2, default=[3, 98], metavar=("LO", "HI"),
+    parser.add_argument("--num-prompts", type=positive_int, default=100,
+                        help="requests, or conversations for multiturn")
+    parser.add_argument("--random-input-len", type=positive_int, default=1024)
+    parser.add_argument("--random-output-len", type=positive_int, default=128)
+    parser.add_argument("--random-range-ratio", type=fraction, default=0.0,
+                        help="lengths are uniform in len * [1 - r, 1 + r], r in [0, 1]")
+    parser.add_argument("--prefix-groups", type=positive_int, default=4)
+    parser.add_argument("--prefix-len", type=non_negative_int, default=512)
+    parser.add_argument("--turns", type=positive_int, default=4)
+    parser.add_argument("--token-range", type=non_negative_int, nargs=2, default=[3, 98], metavar=("LO", "HI"),
                         help="random prompt token ids are drawn from [LO, HI)")
     parser.add_argument("--prompt-format", choices=["ids", "text"], default="ids")
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second")
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--goodput", nargs="*", default=[], metavar="SLO:MS", help="e.g. ttft:500 tpot:50 e2el:5000")
+    parser.add_argument("--request-rate", type=positive_number, default=math.inf,
+                        help="Poisson arrivals per second (default: inf, every request at once)")
+    parser.add_argument("--max-concurrency", type=positive_int, default=None)
+    parser.add_argument("--goodput", type=parse_slo, nargs="*", default=[], metavar="SLO:MS",
+                        help="e.g. ttft:500 tpot:50 e2el:5000")
     parser.add_argument("--result-file", default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+
+
+def check_bench_args(args: argparse.Namespace) -> None:
+    """UsageError for an empty `--token-range`, an SLO given twice, or a `--result-file` that could
+    not be written (checked before the run, not after it)."""
+    lo, hi = args.token_range
+    if lo >= hi:
+        raise UsageError(f"--token-range {lo} {hi}: LO must be below HI (ids are drawn from [LO, HI))")
+    names = [name for name, _ in args.goodput]
+    if len(set(names)) < len(names):
+        raise UsageError(f"--goodput gives an SLO twice: {' '.join(f'{n}:{ms:g}' for n, ms in args.goodput)}")
+    if args.result_file:
+        path = os.path.abspath(args.result_file)
+        folder = os.path.dirname(path)
+        if os.path.isdir(path):
+            raise UsageError(f"--result-file {args.result_file} is a folder")
+        if not os.path.isdir(folder):
+            raise UsageError(f"--result-file {args.result_file}: no folder {folder}")
+        if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+            raise UsageError(f"--result-file {args.result_file}: not writable")

@@ -62,9 +62,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from llmjax.bench import run_bench
+    from llmjax.bench import BenchError, run_bench
 
-    run_bench(args)
+    try:
+        summary = run_bench(args)
+    except BenchError as exc:
+        sys.exit(f"error: {exc}")
+    if not summary["completed"]:
+        sys.exit(f"error: all {summary['failed']} requests failed")
 
 
 def cmd_router(args: argparse.Namespace) -> None:
@@ -97,11 +102,11 @@ def main(argv: list[str] | None = None) -> None:
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve, checks=(check_engine_args,))
 
-    from llmjax.bench import add_bench_args
+    from llmjax.bench import add_bench_args, check_bench_args
 
     bench = sub.add_parser("bench", help="benchmark a running server (like `vllm bench serve`)")
     add_bench_args(bench)
-    bench.set_defaults(func=cmd_bench, checks=())
+    bench.set_defaults(func=cmd_bench, checks=(check_bench_args,))
 
     from llmjax.serve.routing import add_router_args, check_router_args
 

@@ -1,16 +1,21 @@
 """`llmjax bench` end to end against a real server on a tiny random model: each dataset sends what
 its arguments ask for (counts and lengths follow from them), and failed requests are counted and
-shown with their errors."""
+shown with their errors. Bad flags, a server it cannot use and a run where every request failed
+end the command with `error: ...`."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import socket
 
 import httpx
 import numpy as np
 import pytest
+from fastapi import FastAPI
 
 from llmjax.bench import add_bench_args, run_bench
+from llmjax.cli import main
 from llmjax.serve.api import build_app
 from llmjax.serve.metrics import parse_metrics
 from tests.engine_helpers import tiny_engine
@@ -103,6 +108,62 @@ def test_goodput_counts_the_requests_within_every_slo():
     assert summarize(results, 2.0, parse_slos(["e2el:1500"]))["request_goodput"] == 3 / 2.0
     assert "request_goodput" not in summarize(results, 2.0, {})
     assert summary["tpot_ms"]["p50"] == pytest.approx(np.median([100.0, 100.0, 1900 / 9]))
-    for bad in ("ttft", "latency:5", "ttft:"):
-        with pytest.raises(SystemExit, match="--goodput takes NAME:MS"):
+    for bad in ("ttft", "latency:5", "ttft:", "ttft:abc", "tpot:-5", "e2el:0", "e2el:nan"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected NAME:MS"):
             parse_slos([bad])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--request-rate", "0"], "argument --request-rate: expected a number > 0 (or inf)"),
+    (["--request-rate", "-2"], "argument --request-rate"),
+    (["--request-rate", "nan"], "argument --request-rate"),
+    (["--random-input-len", "-5"], "argument --random-input-len: expected a positive integer"),
+    (["--random-output-len", "0"], "argument --random-output-len"),
+    (["--random-range-ratio", "1.5"], "argument --random-range-ratio: expected a number in [0, 1]"),
+    (["--num-prompts", "0"], "argument --num-prompts"),
+    (["--max-concurrency", "0"], "argument --max-concurrency"),
+    (["--prefix-groups", "0"], "argument --prefix-groups"),
+    (["--turns", "0"], "argument --turns"),
+    (["--token-range", "-1", "10"], "argument --token-range: expected an integer >= 0"),
+    (["--token-range", "50", "10"], "--token-range 50 10: LO must be below HI"),
+    (["--token-range", "7", "7"], "--token-range 7 7: LO must be below HI"),
+    (["--goodput", "ttft:abc"], "argument --goodput: expected NAME:MS"),
+    (["--goodput", "ttft:100", "ttft:200"], "--goodput gives an SLO twice"),
+    (["--base-url", "127.0.0.1:8000"], "argument --base-url: expected a URL like"),
+    (["--base-url", "http://127.0.0.1:8000/v1"], "argument --base-url: expected the server's root URL"),
+    (["--result-file", "/no-such-folder/r.json"], "--result-file /no-such-folder/r.json: no folder /no-such-folder"),
+    (["--result-file", "/"], "--result-file / is a folder"),
+])
+def test_bad_bench_flags_are_usage_errors_before_the_run(capsys, monkeypatch, flags, message):
+    monkeypatch.setattr("llmjax.bench.run_bench", lambda args: pytest.fail("the benchmark ran"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *flags])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2 and line.startswith("llmjax bench: error: ") and message in line, line
+
+
+def test_an_unreachable_server_is_an_error():
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--base-url", url, "--num-prompts", "1"])
+    assert str(exit_info.value.code).startswith(f"error: cannot connect to {url}")
+
+
+def test_a_server_without_models_is_an_error():
+    app = FastAPI()
+    app.add_api_route("/v1/models", lambda: {"object": "list", "data": []})
+    with running_server(app) as url, pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--base-url", url, "--num-prompts", "1"])
+    assert str(exit_info.value.code).startswith(f"error: GET {url}/v1/models lists no model")
+
+
+def test_a_run_where_every_request_failed_exits_with_an_error(base_url, tmp_path, capsys):
+    result = tmp_path / "result.json"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--base-url", base_url, "--model", "no-such-model", "--num-prompts", "3",
+              "--random-input-len", "4", "--random-output-len", "2", "--result-file", str(result)])
+    assert exit_info.value.code == "error: all 3 requests failed"
+    assert "failed: HTTP 404" in capsys.readouterr().out  # the table and the errors come first
+    assert json.loads(result.read_text())["failed"] == 3
