@@ -4,6 +4,7 @@ import gc
 
 import pytest
 
+from llmjax.cli import main
 from llmjax.runner import release_compiled_steps
 
 
@@ -15,3 +16,20 @@ def _release_compiled_steps_after_module():
     yield
     release_compiled_steps()
     gc.collect()
+
+
+@pytest.fixture
+def cli_error(capsys):
+    """`cli_error(*argv)`: the error line `llmjax ARGV` ends with, and its exit status (the command
+    must exit: `SystemExit`)."""
+
+    def run(*argv: str) -> tuple[str, int]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(list(argv))
+        code = exit_info.value.code
+        if isinstance(code, str):  # sys.exit("error: ..."): Python prints it, status 1
+            return code, 1
+        lines = capsys.readouterr().err.strip().splitlines()
+        return lines[-1] if lines else "", code
+
+    return run

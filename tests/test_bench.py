@@ -134,12 +134,10 @@ def test_goodput_counts_the_requests_within_every_slo():
     (["--result-file", "/no-such-folder/r.json"], "--result-file /no-such-folder/r.json: no folder /no-such-folder"),
     (["--result-file", "/"], "--result-file / is a folder"),
 ])
-def test_bad_bench_flags_are_usage_errors_before_the_run(capsys, monkeypatch, flags, message):
+def test_bad_bench_flags_are_usage_errors_before_the_run(cli_error, monkeypatch, flags, message):
     monkeypatch.setattr("llmjax.bench.run_bench", lambda args: pytest.fail("the benchmark ran"))
-    with pytest.raises(SystemExit) as exit_info:
-        main(["bench", *flags])
-    line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert exit_info.value.code == 2 and line.startswith("llmjax bench: error: ") and message in line, line
+    line, status = cli_error("bench", *flags)
+    assert status == 2 and line.startswith("llmjax bench: error: ") and message in line, line
 
 
 def test_an_unreachable_server_is_an_error():

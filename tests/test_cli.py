@@ -18,22 +18,6 @@ from llmjax.serve import routing
 
 
 @pytest.fixture
-def cli_error(capsys):
-    """`cli_error(*argv)`: the error line `llmjax ARGV` ends with, and its exit status."""
-
-    def run(*argv: str) -> tuple[str, int]:
-        with pytest.raises(SystemExit) as exit_info:
-            main(list(argv))
-        code = exit_info.value.code
-        if isinstance(code, str):  # sys.exit("error: ..."): Python prints it, status 1
-            return code, 1
-        lines = capsys.readouterr().err.strip().splitlines()
-        return lines[-1] if lines else "", code
-
-    return run
-
-
-@pytest.fixture
 def usage_error(cli_error, monkeypatch):
     """`usage_error(argv, message)`: assert that `llmjax ARGV` stops at parse time (argparse's
     `llmjax CMD: error: ...`, status 2) with `message`; building an engine, starting a replica or a
