@@ -66,6 +66,19 @@ def freeze_gc_heap() -> None:
     gc.freeze()
 
 
+def _fit_max_model_len(config: EngineConfig, context: int) -> EngineConfig:
+    """`config` with `max_model_len` at most the model's `context`: the default is capped (as vLLM
+    derives its default from the model); a larger value set by hand is refused, since positions past
+    the model's context would run on untrained RoPE angles."""
+    if config.max_model_len <= context:
+        return config
+    if config.max_model_len != EngineConfig.max_model_len:
+        raise ConfigError(f"max_model_len ({config.max_model_len}) is larger than the model's context length "
+                          f"({context} tokens): set it to at most {context}")
+    log.info("max_model_len capped at the model's context length, %d tokens", context)
+    return config.replace(max_model_len=context)
+
+
 class RequestError(ValueError):
     """A request the engine refuses; `param` names the offending field (the API reports it)."""
 
@@ -135,6 +148,10 @@ class _Parent:
 
 class LLMEngine:
     def __init__(self, model: LoadedModel, tokenizer: Tokenizer | CharTokenizer, config: EngineConfig):
+        """Raises `ConfigError` when `config` cannot run this model (a `max_model_len` set above the
+        model's context, a dtype the weights were not loaded in, ...). The default `max_model_len`
+        is capped at the model's context (logged)."""
+        config = _fit_max_model_len(config, model.config.max_position_embeddings)
         model = parallel.prepare_model(model, config.tensor_parallel_size)
         self.config = config
         self.model_config = model.config
@@ -180,8 +197,6 @@ class LLMEngine:
         dtype = jnp.dtype(config.dtype or default_dtype())
         loaded = load_model(model, dtype=dtype, seed=seed)
         tokenizer = load_tokenizer(loaded.source, loaded.config.eos_token_ids)
-        if loaded.config.max_position_embeddings < config.max_model_len:
-            config = config.replace(max_model_len=loaded.config.max_position_embeddings)
         return cls(loaded, tokenizer, config)
 
     # --- requests ------------------------------------------------------------------------------

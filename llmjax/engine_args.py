@@ -32,7 +32,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--block-size", type=int, default=d.block_size)
-    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                        help="longest prompt + output in tokens (default %(default)s, capped at the model's context; "
+                             "a larger value set by hand is an error)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=d.enable_prefix_caching)
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,

@@ -258,6 +258,27 @@ def test_config_dtype_must_match_the_loaded_model():
                                                   kv_cache_memory_bytes=2 << 20))
 
 
+def test_max_model_len_beyond_the_models_context():
+    """A `max_model_len` set above the model's context is refused; the default is capped at it."""
+    from llmjax.config import ConfigError, EngineConfig
+    from llmjax.engine import LLMEngine
+    from llmjax.models.loader import load_model
+    from llmjax.tokenizer import load_tokenizer
+
+    loaded = load_model("tiny-gqa", dtype=np.float32)
+    loaded = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, max_position_embeddings=96))
+    tokenizer = load_tokenizer(loaded.source, loaded.config.eos_token_ids)
+    small = dict(max_num_batched_tokens=64, max_num_seqs=8, block_size=8, kv_cache_memory_bytes=2 << 20)
+    with pytest.raises(ConfigError, match="96 tokens"):
+        LLMEngine(loaded, tokenizer, EngineConfig(max_model_len=128, **small))
+    assert LLMEngine(loaded, tokenizer, EngineConfig(max_model_len=96, **small)).config.max_model_len == 96
+    engine = LLMEngine(loaded, tokenizer, EngineConfig(**small))
+    assert EngineConfig().max_model_len > 96 and engine.config.max_model_len == 96
+    assert engine.scheduler.config.max_model_len == 96
+    with pytest.raises(RequestError, match="maximum context length is 96"):
+        engine.add_request([5] * 90, SamplingParams(max_tokens=10))
+
+
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
 def test_a_narrower_kv_cache_than_the_weights(kv_dtype):
     """`kv_cache_dtype` below the weights' float32: the same budget holds twice the blocks, and greedy
