@@ -3,8 +3,11 @@ temperature, top-k, top-p, min-p, per-request PRNG keys, logprobs.
 
 Keys: a request's 64-bit seed is split into two 32-bit words, and its key is
 `fold_in(fold_in(fold_in(fold_in(key(0), seed_hi), seed_lo), sample_index), output_index)`, so a
-seeded request draws the same tokens whatever else shares its batch, and the n samples of one
-request (`sample_index` 0..n-1) draw from distinct streams.
+seeded request draws the same random numbers whatever else shares its batch, and the n samples of
+one request (`sample_index` 0..n-1) draw from distinct streams. The tokens are the same up to float
+rounding: the logits of a row can differ in their last bits with the batch's shape (XLA picks its
+matmul tiling by shape), so a draw that lands within that rounding of a token's CDF boundary, or a
+token at the top-k / top-p / min-p cut, can go either way (as in vLLM without batch-invariant kernels).
 
 Logits processing, in vLLM's order: logit bias, then min_tokens (EOS and stop ids at -inf while
 fewer than min_tokens tokens are out), then the repetition penalty (tokens in the prompt or the

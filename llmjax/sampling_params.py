@@ -56,7 +56,8 @@ class SamplingParams:
 
     temperature 0 (or below 1e-5) is greedy; top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable theirs.
     `seed` (any 64-bit integer) makes a request's samples reproducible whatever else shares its
-    batch; with `n` > 1 each of the n samples draws from its own stream derived from it.
+    batch, up to float rounding (see `llmjax.sampler`); with `n` > 1 each of the n samples draws from
+    its own stream derived from it.
     `stop` strings end generation and are cut from the text (unless `include_stop_str_in_output`),
     as is the text of an EOS or `stop_token_ids` token that ends it (its id stays in the token ids).
     `logprobs`: None for none, 0 for the sampled token's logprob, k for it plus the top k.
