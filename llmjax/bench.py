@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 from llmjax.cli_types import (UsageError, fraction, non_negative_int, positive_int, positive_number,
                               server_url)
+from llmjax.sampling_params import SamplingParams, SamplingParamsError
 from llmjax.workloads import SHAREGPT, lognormal_lengths
 
 SLO_NAMES = ("ttft", "tpot", "e2el")
@@ -381,8 +382,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 
 def check_bench_args(args: argparse.Namespace) -> None:
-    """UsageError for an empty `--token-range`, an SLO given twice, or a `--result-file` that could
-    not be written (checked before the run, not after it)."""
+    """UsageError for a `--temperature` the server would refuse (the engine's own check), an empty
+    `--token-range`, an SLO given twice, or a `--result-file` that could not be written (checked
+    before the run, not after it)."""
+    try:
+        SamplingParams(temperature=args.temperature)
+    except SamplingParamsError as exc:
+        raise UsageError(f"--temperature {args.temperature:g}: {exc}") from None
     lo, hi = args.token_range
     if lo >= hi:
         raise UsageError(f"--token-range {lo} {hi}: LO must be below HI (ids are drawn from [LO, HI))")

@@ -124,6 +124,8 @@ def test_goodput_counts_the_requests_within_every_slo():
     (["--max-concurrency", "0"], "argument --max-concurrency"),
     (["--prefix-groups", "0"], "argument --prefix-groups"),
     (["--turns", "0"], "argument --turns"),
+    (["--temperature", "-0.5"], "--temperature -0.5: temperature must be >= 0"),
+    (["--temperature", "nan"], "--temperature nan: temperature must be"),
     (["--token-range", "-1", "10"], "argument --token-range: expected an integer >= 0"),
     (["--token-range", "50", "10"], "--token-range 50 10: LO must be below HI"),
     (["--token-range", "7", "7"], "--token-range 7 7: LO must be below HI"),
