@@ -9,7 +9,8 @@ Wall-clock replay (`replay_engine`) adds each request when `time.monotonic()` pa
 then steps. JIT compilation would stall the clock, so (1) `warm_engine` compiles the step buckets
 the trace needs first (found by replaying it in the simulator, as `paper_repro/radix_hit_rate.py`
 does), and (2) any step that still compiles is cut out of the clock: its duration is subtracted from
-every later timestamp and arrival (`Replay.compiles` counts them; normally 0).
+every timestamp after its start (its own tokens' included) and every later arrival (`Replay.compiles`
+counts them; normally 0).
 
 For the experiments that load a server in a subprocess (`stream_interval.py`, `bench_client.py`,
 `router_overhead.py`, `load.py`, `routing.py`): `free_port`, `server_process` (start it, wait for
@@ -182,7 +183,7 @@ def replay_engine(engine, requests: list[TraceRequest], progress: str | None = N
     pending = sorted(requests, key=lambda r: r.arrival)
     sched = engine.scheduler
     steps: StepLog = []
-    shifts: list[tuple[float, float]] = []  # (monotonic time a compiling step ended, its duration)
+    shifts: list[tuple[float, float]] = []  # (monotonic time a compiling step started, its duration)
     outputs = []
     origin, stalled, i = time.monotonic(), 0.0, 0
     bar = tqdm(total=len(requests), desc=progress, unit="req", disable=progress is None, leave=False)
@@ -211,7 +212,7 @@ def replay_engine(engine, requests: list[TraceRequest], progress: str | None = N
             sched.schedule = real_schedule
         t1 = time.monotonic()
         if engine.runner.num_compiles != compiles:
-            shifts.append((t1, t1 - t0))
+            shifts.append((t0, t1 - t0))
             stalled += t1 - t0
         if scheduled:
             steps.append((t1 - origin - stalled, scheduled))
@@ -222,8 +223,8 @@ def replay_engine(engine, requests: list[TraceRequest], progress: str | None = N
     bar.close()
     sched.input_closed = False
 
-    def rel(t: float) -> float:
-        return t - origin - sum(d for end, d in shifts if end <= t + 1e-9)
+    def rel(t: float) -> float:  # a time stamped inside a compiling step (its tokens') comes after the stall
+        return t - origin - sum(d for start, d in shifts if start < t)
 
     timings = [Timing(o.request_id, rel(o.metrics.arrival_time), [rel(t) for t in o.metrics.token_times],
                       len(o.prompt_token_ids))
