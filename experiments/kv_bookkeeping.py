@@ -11,7 +11,8 @@ Two measurements, one run:
    scheduler's steady decode step calls it). A GPU decode step takes milliseconds; this must stay
    well under 1 ms.
 
-Writes results/kv_bookkeeping.md and .json (no plot: two numbers and a table).
+Writes results/kv_bookkeeping.md, .json and .png (time per manager call by operation; the decode-step
+bookkeeping's distribution over steps, both ways, against 1 ms).
 
 Usage: python experiments/kv_bookkeeping.py                 (100k requests, about 15 s)
        python experiments/kv_bookkeeping.py --num-requests 2000
@@ -28,11 +29,15 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-from tqdm import tqdm
+import matplotlib
 
-from common import results_dir, write_report
-from llmjax.kv import KVCacheManager
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from common import results_dir, write_report  # noqa: E402
+from llmjax.kv import KVCacheManager  # noqa: E402
 
 VOCAB = 32000
 
@@ -118,6 +123,29 @@ def decode_step_cost(args: argparse.Namespace, prompts: list[list[int]], batched
     return times
 
 
+def plot(cost: dict[str, list], step_times: dict[str, list[float]], num_running: int, path) -> None:
+    """Left: mean µs per manager call by operation (log scale). Right: each way's decode-step
+    bookkeeping time over steps as a CDF, with 1 ms (a GPU decode step at the least) marked."""
+    fig, (ops, steps) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [op for op, (n, _) in cost.items() if n]
+    ops.bar(names, [1e6 * cost[op][1] / cost[op][0] for op in names], color="tab:blue")
+    ops.set_yscale("log")
+    ops.set_ylabel("mean µs per call")
+    ops.set_title("KV manager calls in the request stream")
+    for label, times in step_times.items():
+        us = 1e6 * np.sort(times)
+        steps.plot(us, np.arange(1, len(us) + 1) / len(us), label=label)
+    steps.axvline(1000, color="gray", linestyle="--", label="1 ms")
+    steps.set_xscale("log")
+    steps.set_xlabel(f"µs per decode step ({num_running} requests grow by one token)")
+    steps.set_ylabel("fraction of steps")
+    steps.set_title("decode-step bookkeeping")
+    steps.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-requests", type=int, default=100_000)
@@ -157,7 +185,7 @@ def main() -> None:
     lines.append(f"| all | {calls} | {1e6 * busy / calls:.2f} | {calls / busy:,.0f} |")
     lines.append(f"\nStream wall time {wall:.1f} s ({calls / wall:,.0f} manager calls/s including the driver loop).")
 
-    step_us = {}
+    step_us, step_times = {}, {}
     for batched, how in ((False, "one `grow` call per request"), (True, "one `grow_each` call, the same tuple every step")):
         times = sorted(decode_step_cost(args, prompts, batched))
         median, mean, p99 = times[len(times) // 2], statistics.fmean(times), times[int(0.99 * len(times))]
@@ -167,11 +195,16 @@ def main() -> None:
                      f"p99 {1e6 * p99:.0f} µs (tails include OS scheduling on a shared host); the mean is "
                      f"{mean / 1e-3:.1%} of 1 ms, {verdict} the 1 ms a GPU decode step takes at the least.")
         step_us["grow_each" if batched else "grow"] = {"median": 1e6 * median, "mean": 1e6 * mean, "p99": 1e6 * p99}
+        step_times["one grow_each call" if batched else "one grow call a request"] = times
+    out = results_dir(args.quick)
+    out.mkdir(parents=True, exist_ok=True)
+    lines.append("\n![KV bookkeeping](kv_bookkeeping.png)")
+    plot(cost, step_times, args.num_running, out / "kv_bookkeeping.png")
     write_report("kv_bookkeeping", "KV cache bookkeeping speed", "\n".join(lines), {
         "operations": {op: {"calls": n, "seconds": s} for op, (n, s) in cost.items()},
         "hit_rate": stats.hit_rate, "stream_wall_s": wall,
         "decode_step_us": step_us["grow"], "decode_step_grow_each_us": step_us["grow_each"],
-        "args": vars(args)}, results_dir(args.quick))
+        "args": vars(args)}, out)
 
 
 if __name__ == "__main__":
