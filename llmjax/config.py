@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES = (
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")  # the attention kernels read these
 DTYPES = KV_CACHE_DTYPES  # the model's weights and activations: the same three
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.8  # share of an accelerator's memory for weights, activations and KV cache
 
 
 class ConfigError(ValueError):
@@ -292,8 +293,10 @@ class EngineConfig:
     """How the engine serves: batching policy, token budget, KV memory. Flag names follow vLLM's.
 
     `kv_cache_memory_bytes` sizes the KV pool (num_blocks = budget / (block_size * bytes per token));
-    when None, `gpu_memory_utilization` of the device's free memory is used on an accelerator and
-    a 1 GiB budget on CPU. The budget is per device: with `tensor_parallel_size` N the GQA cache is
+    when None, `gpu_memory_utilization` (default `DEFAULT_GPU_MEMORY_UTILIZATION`) of the device's
+    memory is used on an accelerator and a 1 GiB budget on CPU. The two are alternatives: setting
+    both is refused, and so is `gpu_memory_utilization` on a platform with no device memory report
+    (CPU), where it could only be ignored. The budget is per device: with `tensor_parallel_size` N the GQA cache is
     split by KV head over N devices (the MLA latent cache is replicated); see `llmjax/parallel.py`.
     `coordinator_address`, `num_processes`, `process_id` join a multi-host run (`jax.distributed`).
     `async_scheduling` (vLLM's flag; SGLang's overlap scheduler) dispatches each step before the
@@ -315,7 +318,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.8
+    gpu_memory_utilization: float | None = None  # None: DEFAULT_GPU_MEMORY_UTILIZATION
     scheduling_policy: Literal["continuous", "static", "dynamic"] = "continuous"
     queue_order: Literal["fcfs", "lpm"] = "fcfs"
     batch_size: int = 8
@@ -358,8 +361,11 @@ class EngineConfig:
                 "without chunked prefill a whole prompt must fit one step: "
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_model_len ({self.max_model_len})"
             )
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+            if self.kv_cache_memory_bytes is not None:
+                raise ConfigError("kv_cache_memory_bytes and gpu_memory_utilization both size the KV cache: give one")
         if not 0 <= self.max_delay < math.inf:
             raise ConfigError(f"max_delay must be a finite number of seconds >= 0, got {self.max_delay}")
         if self.seed < 0:

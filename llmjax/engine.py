@@ -36,7 +36,7 @@ import numpy as np
 from llmjax import parallel
 from llmjax.cpu_flags import apply_cpu_flags
 from llmjax.attention.cache_dtype import value_dtype
-from llmjax.config import ConfigError, EngineConfig
+from llmjax.config import DEFAULT_GPU_MEMORY_UTILIZATION, ConfigError, EngineConfig
 from llmjax.kv.manager import KVCacheManager
 from llmjax.kv.sizing import device_memory_stats, kv_budget_bytes, num_blocks_from_budget
 from llmjax.models.loader import LoadedModel, default_dtype, load_model
@@ -165,9 +165,13 @@ class LLMEngine:
         budget = config.kv_cache_memory_bytes
         if budget is None and device_memory_stats() is not None:  # an accelerator: vLLM's rule
             profiler = ModelRunner(model, config, 2, kv_dtype, self.eos_token_ids)  # weights resident
-            budget = kv_budget_bytes(config.gpu_memory_utilization, device_memory_stats,
-                                     lambda: profiler.warmup(profiler.buckets.largest()))
+            budget = kv_budget_bytes(config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
+                                     device_memory_stats, lambda: profiler.warmup(profiler.buckets.largest()))
             del profiler
+        elif config.gpu_memory_utilization is not None:
+            raise ConfigError("gpu_memory_utilization sizes the KV cache from an accelerator's memory, and "
+                              f"{jax.default_backend()} reports none: size it with kv_cache_memory_bytes "
+                              "(--kv-cache-memory)")
         budget = budget or CPU_KV_BUDGET_BYTES
         bytes_per_token = parallel.kv_bytes_per_token_per_device(model.config, kv_dtype.itemsize,
                                                                  config.tensor_parallel_size)

@@ -17,7 +17,7 @@ import sys
 from typing import Iterator
 
 from llmjax.attention.backend import BACKENDS
-from llmjax.config import DTYPES, KV_CACHE_DTYPES, ConfigError, EngineConfig
+from llmjax.config import DEFAULT_GPU_MEMORY_UTILIZATION, DTYPES, KV_CACHE_DTYPES, ConfigError, EngineConfig
 
 # Flags that only the batching policies named here read; default None, so that giving one to another
 # policy, where it would have no effect, is an error (the config's default fills in when not given).
@@ -42,7 +42,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory_bytes, dest="kv_cache_memory_bytes",
                         help="KV cache budget in bytes (default: 1 GiB on CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
-                        help="share of free accelerator memory for the KV cache when --kv-cache-memory is not given")
+                        help="share of an accelerator's memory for weights, activations and KV cache "
+                        f"(default {DEFAULT_GPU_MEMORY_UTILIZATION}); instead of --kv-cache-memory; not on CPU")
     parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                         help="KV cache dtype (default: --dtype)")
     parser.add_argument("--scheduling-policy", choices=["continuous", "static", "dynamic"], default=d.scheduling_policy)

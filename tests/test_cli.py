@@ -46,6 +46,7 @@ ENGINE_FLAG_ERRORS = [
     (["--max-num-seqs", "0"], "max_num_seqs must be positive, got 0"),
     (["--block-size", "24"], "block_size must be a power of two"),
     (["--gpu-memory-utilization", "0"], "gpu_memory_utilization"),
+    (["--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1048576"], "both size the KV cache"),
     (["--kv-cache-memory", "-1"], "kv_cache_memory_bytes must be positive"),
     (["--seed", "-1"], "seed must be >= 0"),
     (["--dtype", "int7"], "argument --dtype: invalid choice: 'int7'"),

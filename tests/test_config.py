@@ -16,6 +16,7 @@ ENGINE_ERRORS = [
     (dict(enable_chunked_prefill=False, max_num_batched_tokens=256, max_model_len=1024), "without chunked prefill"),
     (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 30), "both size the KV cache: give one"),
     (dict(max_delay=-0.1), "max_delay"),
     (dict(max_delay=float("inf")), "max_delay must be a finite number"),
     (dict(max_delay=float("nan")), "max_delay must be a finite number"),

@@ -67,3 +67,13 @@ def test_engine_sizes_the_pool_from_the_device_report(monkeypatch):
     max_blocks = engine.runner.buckets.max_blocks
     assert profile_blocks == 2
     assert (64, 8, max_blocks, False) in shapes and (8, 8, max_blocks, True) in shapes
+
+
+def test_engine_refuses_gpu_memory_utilization_without_a_device_report():
+    """On CPU (no allocator report) a utilization could only be ignored: refused, naming the
+    flag that sizes the pool there."""
+    from llmjax.config import ConfigError
+    from tests.engine_helpers import tiny_engine
+
+    with pytest.raises(ConfigError, match="gpu_memory_utilization .* reports none: size it with kv_cache_memory_bytes"):
+        tiny_engine(kv_cache_memory_bytes=None, gpu_memory_utilization=0.5)
