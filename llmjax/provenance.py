@@ -3,6 +3,11 @@ the package versions. Every results writer (`experiments/common.write_report`, e
 script) stores `provenance()` in its JSON and `provenance_markdown()` at the end of its report, so a
 results file says what produced it and whether it is stale.
 
+The code's state (commit, dirty paths) is read once, when this module is first imported: a results
+writer imports it when it starts, so the stamp names the code the run loaded, not a commit made
+while it ran. Should the tree differ when the results are written, `code_changed_during_run` says
+so (and the report names the commit then).
+
 `provenance()` never raises: a fact it cannot find (no git, no /proc/cpuinfo, a package not
 installed) is recorded as None.
 """
@@ -76,24 +81,34 @@ def _accelerator() -> str | None:
     return None if devices[0].platform == "cpu" else f"{len(devices)} x {devices[0].device_kind}"
 
 
-def provenance() -> dict:
-    """{"commit", "dirty", "command", "date_utc", "machine": {"cores", "cpu", "memory_gib", "platform",
-    "accelerator"},
-    "versions": {"python", "jax", ...}, "torch_threads"}; dirty is True when tracked files other than
-    experiment outputs (`OUTPUT_PATHS`: say, the results of an earlier script of the same run) differ from
-    the commit (the result may then not be reproducible from `commit` alone; dirty_paths says which)."""
+def _code_state() -> dict:
+    """{"commit", "dirty", "dirty_paths"} of the tree now; dirty is True when tracked files other than
+    experiment outputs (`OUTPUT_PATHS`: say, the results of an earlier script of the same run) differ
+    from the commit (a result may then not be reproducible from `commit` alone; dirty_paths says which)."""
     status = _git("status", "--porcelain", "--untracked-files=no")
     if status is not None:
         status = "\n".join(line for line in status.splitlines() if not line[3:].startswith(OUTPUT_PATHS))
+    return {"commit": _git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
+            "dirty_paths": None if status is None else [line[3:] for line in status.splitlines()]}
+
+
+CODE_AT_START = _code_state()  # see the module docstring
+
+
+def provenance() -> dict:
+    """{"commit", "dirty", "dirty_paths" (the code when the process started, `CODE_AT_START`),
+    "code_changed_during_run", "commit_at_write", "command", "date_utc", "machine": {"cores", "cpu",
+    "memory_gib", "platform", "accelerator"}, "versions": {"python", "jax", ...}, "torch_threads"}."""
+    now = _code_state()
     argv = getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]  # orig_argv keeps `-m module`
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count()
     return {
-        "commit": _git("rev-parse", "HEAD"),
-        "dirty": None if status is None else bool(status),
-        "dirty_paths": None if status is None else [line[3:] for line in status.splitlines()],
+        **CODE_AT_START,
+        "code_changed_during_run": now != CODE_AT_START,
+        "commit_at_write": now["commit"],
         "command": " ".join(shlex.quote(a) for a in [Path(argv[0]).name, *argv[1:]]),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "machine": {"cores": cores, "cpu": _cpu_model(), "memory_gib": _memory_gib(),
@@ -111,6 +126,8 @@ def provenance_markdown(prov: dict | None = None) -> str:
     commit = (p["commit"] or "unknown")[:12]
     if p["dirty"]:
         commit += " with uncommitted changes to " + ", ".join(p["dirty_paths"])
+    if p.get("code_changed_during_run"):
+        commit += f" (the tree changed while it ran: {(p['commit_at_write'] or 'unknown')[:12]} when it was written)"
     versions = ", ".join(f"{k} {v}" for k, v in p["versions"].items() if v)
     return "\n".join([
         "## Provenance", "",

@@ -124,13 +124,29 @@ def test_provenance_counts_code_changes_as_dirty_but_not_experiment_outputs(monk
         return lambda *args: ("\n".join(lines) if args[0] == "status" else "0" * 40)
 
     monkeypatch.setattr(provenance, "_git", status([" M results/batching.md", " M README.md"]))
-    prov = provenance.provenance()
-    assert prov["dirty"] is False and prov["dirty_paths"] == []
+    state = provenance._code_state()
+    assert state["dirty"] is False and state["dirty_paths"] == []
     monkeypatch.setattr(provenance, "_git", status([" M results/batching.json", " M llmjax/engine.py",
                                                     " M docs/architecture.md"]))
+    monkeypatch.setattr(provenance, "CODE_AT_START", provenance._code_state())
     prov = provenance.provenance()
     assert prov["dirty"] is True and prov["dirty_paths"] == ["llmjax/engine.py", "docs/architecture.md"]
     assert "with uncommitted changes to llmjax/engine.py, docs/architecture.md" in provenance.provenance_markdown(prov)
+    assert prov["code_changed_during_run"] is False and "changed while it ran" not in provenance.provenance_markdown(prov)
+
+
+def test_provenance_names_the_code_the_run_started_with(monkeypatch):
+    """A commit made while an experiment runs does not become its stamp: the stamp is the code at
+    the start, and the report says the tree changed and what it was when written."""
+    from llmjax import provenance
+
+    started = {"commit": "a" * 40, "dirty": False, "dirty_paths": []}
+    monkeypatch.setattr(provenance, "CODE_AT_START", started)
+    monkeypatch.setattr(provenance, "_git", lambda *args: "" if args[0] == "status" else "b" * 40)
+    prov = provenance.provenance()
+    assert prov["commit"] == "a" * 40 and prov["commit_at_write"] == "b" * 40 and prov["code_changed_during_run"]
+    text = provenance.provenance_markdown(prov)
+    assert "commit: aaaaaaaaaaaa (the tree changed while it ran: bbbbbbbbbbbb when it was written)" in text
 
 
 def test_routing_simulation_routes_every_request_and_cache_aware_hits_more():
