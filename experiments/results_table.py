@@ -282,6 +282,8 @@ def triton_sm90(d: dict, n: Numbers) -> str:
 # (README label, JSON path under the repository, formatter)
 ROWS: list[tuple[str, str, Formatter]] = [
     ("[offline_throughput](results/offline_throughput.md)", "results/offline_throughput.json", offline_throughput),
+    ("[offline_throughput](results/offline_throughput_epyc.md) (no AMX)", "results/offline_throughput_epyc.json",
+     offline_throughput),
     ("[offline_throughput, equal prompts](results/offline_throughput_equal.md)", "results/offline_throughput_equal.json",
      offline_throughput),
     ("[offline_throughput, equal prompts](results/offline_throughput_equal_epyc.md) (no AMX)",
