@@ -5,8 +5,9 @@ results file says what produced it and whether it is stale.
 
 The code's state (commit, dirty paths) is read once, when this module is first imported: a results
 writer imports it when it starts, so the stamp names the code the run loaded, not a commit made
-while it ran. Should the tree differ when the results are written, `code_changed_during_run` says
-so (and the report names the commit then).
+while it ran. Should the code differ from it when the results are written (files other than
+experiment outputs that differ from the start commit now but did not then: a commit or an edit
+made during the run), `code_changed_during_run` says so and the report names the commit then.
 
 `provenance()` never raises: a fact it cannot find (no git, no /proc/cpuinfo, a package not
 installed) is recorded as None.
@@ -100,6 +101,9 @@ def provenance() -> dict:
     "code_changed_during_run", "commit_at_write", "command", "date_utc", "machine": {"cores", "cpu",
     "memory_gib", "platform", "accelerator"}, "versions": {"python", "jax", ...}, "torch_threads"}."""
     now = _code_state()
+    changed = _git("diff", "--name-only", CODE_AT_START["commit"]) if CODE_AT_START["commit"] else None
+    if changed is not None:
+        changed = {path for path in changed.splitlines() if not path.startswith(OUTPUT_PATHS)}
     argv = getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]  # orig_argv keeps `-m module`
     try:
         cores = len(os.sched_getaffinity(0))
@@ -107,7 +111,7 @@ def provenance() -> dict:
         cores = os.cpu_count()
     return {
         **CODE_AT_START,
-        "code_changed_during_run": now != CODE_AT_START,
+        "code_changed_during_run": None if changed is None else changed != set(CODE_AT_START["dirty_paths"] or ()),
         "commit_at_write": now["commit"],
         "command": " ".join(shlex.quote(a) for a in [Path(argv[0]).name, *argv[1:]]),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),

@@ -129,10 +129,13 @@ def test_provenance_counts_code_changes_as_dirty_but_not_experiment_outputs(monk
     monkeypatch.setattr(provenance, "_git", status([" M results/batching.json", " M llmjax/engine.py",
                                                     " M docs/architecture.md"]))
     monkeypatch.setattr(provenance, "CODE_AT_START", provenance._code_state())
+    monkeypatch.setattr(provenance, "_git", lambda *args: "llmjax/engine.py\ndocs/architecture.md" if args[0] == "diff"
+                        else status([" M llmjax/engine.py", " M docs/architecture.md"])(*args))
     prov = provenance.provenance()
     assert prov["dirty"] is True and prov["dirty_paths"] == ["llmjax/engine.py", "docs/architecture.md"]
     assert "with uncommitted changes to llmjax/engine.py, docs/architecture.md" in provenance.provenance_markdown(prov)
-    assert prov["code_changed_during_run"] is False and "changed while it ran" not in provenance.provenance_markdown(prov)
+    assert prov["code_changed_during_run"] is False
+    assert "changed while it ran" not in provenance.provenance_markdown(prov)
 
 
 def test_provenance_names_the_code_the_run_started_with(monkeypatch):
@@ -140,13 +143,20 @@ def test_provenance_names_the_code_the_run_started_with(monkeypatch):
     the start, and the report says the tree changed and what it was when written."""
     from llmjax import provenance
 
+    def git(since_start):  # a clean tree at commit b..., whose diff from a... is `since_start`
+        return lambda *args: {"status": "", "rev-parse": "b" * 40, "diff": "\n".join(since_start)}[args[0]]
+
     started = {"commit": "a" * 40, "dirty": False, "dirty_paths": []}
     monkeypatch.setattr(provenance, "CODE_AT_START", started)
-    monkeypatch.setattr(provenance, "_git", lambda *args: "" if args[0] == "status" else "b" * 40)
+    monkeypatch.setattr(provenance, "_git", git(["llmjax/engine.py", "results/x.json"]))
     prov = provenance.provenance()
     assert prov["commit"] == "a" * 40 and prov["commit_at_write"] == "b" * 40 and prov["code_changed_during_run"]
     text = provenance.provenance_markdown(prov)
     assert "commit: aaaaaaaaaaaa (the tree changed while it ran: bbbbbbbbbbbb when it was written)" in text
+    monkeypatch.setattr(provenance, "_git", git(["results/x.json", "README.md"]))  # only outputs committed
+    prov = provenance.provenance()
+    assert prov["commit"] == "a" * 40 and prov["code_changed_during_run"] is False
+    assert "changed while it ran" not in provenance.provenance_markdown(prov)
 
 
 def test_routing_simulation_routes_every_request_and_cache_aware_hits_more():
