@@ -544,11 +544,12 @@ def stage_engine(report, args):
              "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
              "output_tokens": total_out}
     def ours(backend):
-        # (GPU: the pool sized from gpu_memory_utilization, i.e. kv/sizing.py's profile)
+        # (GPU: the pool sized from gpu_memory_utilization, i.e. kv/sizing.py's profile; a CPU
+        # has no memory report to size it from, so it gets the engine's CPU default)
         settings = eng if args.tiny else dict(max_num_batched_tokens=1024,
                                               max_num_seqs=args.num_requests,
                                               max_model_len=args.max_model_len,
-                                              gpu_memory_utilization=0.5)
+                                              **({"gpu_memory_utilization": 0.5} if args.gpu else {}))
         engine = make_engine(model, attention_backend=backend, dtype=jnp.dtype(dtype).name,
                              **settings)
         # (tiny: 4a's static step arguments, logprobs included, so nothing recompiles)
@@ -618,7 +619,7 @@ def run_hf(shape, prompts, outputs, batch, gpu):
         model = LlamaForCausalLM(cfg).to(dtype).eval()
     log(f"HF generate, batch {batch}")
 
-    def one_pass():
+    def one_pass(model):
         for start in range(0, len(prompts), batch):
             chunk, outs = prompts[start:start + batch], outputs[start:start + batch]
             width = max(map(len, chunk))
@@ -638,7 +639,7 @@ def run_hf(shape, prompts, outputs, batch, gpu):
         model.generate(input_ids=torch.ones((batch, 16), dtype=torch.long, device=device),
                        max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
     start = time.perf_counter()
-    one_pass()
+    one_pass(model)
     secs = time.perf_counter() - start
     del model
     if gpu:
