@@ -39,7 +39,6 @@ from llmjax.config import EngineConfig
 from llmjax.engine import LLMEngine
 from llmjax.outputs import OutputAccumulator, RequestOutput
 from llmjax.kv import KVCacheManager
-import jax.numpy as jnp
 
 from llmjax.provenance import results_dir, write_results
 from llmjax.sampling_params import SamplingParams
