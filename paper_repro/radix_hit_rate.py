@@ -39,7 +39,6 @@ from llmjax.config import EngineConfig
 from llmjax.engine import LLMEngine
 from llmjax.outputs import OutputAccumulator, RequestOutput
 from llmjax.kv import KVCacheManager
-
 from llmjax.provenance import results_dir, write_results
 from llmjax.sampling_params import SamplingParams
 from llmjax.sim import A100_40GB_OPT_13B, DUMMY_TOKEN, Simulator, TraceRequest
