@@ -171,3 +171,25 @@ def test_routing_simulation_routes_every_request_and_cache_aware_hits_more():
     for summary in by_policy.values():
         assert sum(summary["requests_per_replica"]) == n and 0.0 <= summary["hit_rate"] <= 1.0
     assert by_policy["cache_aware"]["hit_rate"] > by_policy["round_robin"]["hit_rate"]
+
+
+def test_kv_bookkeeping_serves_every_request_and_plots(tmp_path):
+    """kv_bookkeeping.py's stream frees each request once (a pool small enough to preempt), its decode
+    step grows every request by one token both ways, and its plot is written."""
+    import argparse
+
+    import kv_bookkeeping
+    from llmjax.kv import KVCacheManager
+
+    args = argparse.Namespace(num_requests=300, num_running=32, block_size=16, num_blocks=128, num_prefixes=4,
+                              prefix_len=64, suffix_len=16, output_len=8, decode_steps=20, seed=0)
+    prompts, outputs = kv_bookkeeping.build_stream(args)
+    m = KVCacheManager(args.num_blocks, args.block_size)
+    cost = kv_bookkeeping.run_stream(m, prompts, outputs, args.num_running)
+    m.check_invariants()
+    assert cost["free"][0] == args.num_requests and cost["preempt"][0] > 0
+    assert m.usage().used == 0
+    steps = {batched: kv_bookkeeping.decode_step_cost(args, prompts, batched) for batched in (False, True)}
+    assert all(len(times) == args.decode_steps for times in steps.values())
+    kv_bookkeeping.plot(cost, {"grow": steps[False], "grow_each": steps[True]}, args.num_running, tmp_path / "kv.png")
+    assert (tmp_path / "kv.png").stat().st_size > 0
