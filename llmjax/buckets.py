@@ -66,8 +66,9 @@ class StepBuckets:
         """The common buckets for contexts up to `max_context` tokens (default: the smallest
         block-table bucket; longer contexts compile on first use): for each block-table bucket B,
         decode-only steps at each request-count bucket S, and mixed steps at each token bucket T
-        with the fewest requests such a step pads to and with the most (a busy server). 20 shapes
-        for T=512, S=64."""
+        with each request-count bucket such a step can pad to, so that no step of a server within
+        these contexts waits for a compile (steps with top logprobs, a separate variant, do). 29
+        shapes for T=512, S=64."""
         blocks = self.min_blocks if max_context is None else -(-max_context // self.block_size)
         shapes: list[Shape] = []
         for b in powers(self.min_blocks, bucket(blocks, self.min_blocks, self.max_blocks)):
@@ -75,7 +76,7 @@ class StepBuckets:
                 t, s_, _ = self.shape(s, s, b)
                 shapes.append((t, s_, b, True))
             for t in powers(MIN_TOKEN_BUCKET, self.max_tokens):
-                for n in (self.min_seqs(t), min(t - 1, self.max_seqs)):  # n < t: mixed
+                for n in powers(self.min_seqs(t), min(t - 1, self.max_seqs)):  # n < t: mixed
                     t_, s_, _ = self.shape(t, n, b)
                     shapes.append((t_, s_, b, False))
         return list(dict.fromkeys(shapes))

@@ -22,6 +22,7 @@ nothing the second time. A step's results come back in one device-to-host transf
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ from llmjax.sampler import PenaltyState, sample
 from llmjax.sampling_params import MAX_LOGPROBS
 from llmjax.scheduler import RowInit, SchedulerOutput
 from llmjax.step_input import HostInputs, InputLayout, input_layout, unpack
+
+log = logging.getLogger(__name__)
 
 
 def enable_compilation_cache(path: str | None = None) -> None:
@@ -218,7 +221,11 @@ class ModelRunner:
         self._last_sampling: _SamplingWritten | None = None
         self._scratch_row = config.max_num_seqs
         self._no_tokens = self._replicated(np.zeros(config.max_num_seqs, np.int32))  # no previous step
-        self.num_compiles = 0
+        self.num_compiles = 0  # step functions traced by this runner's calls (warm-up included)
+        self.num_serving_compiles = 0  # of them, outside `warmup`: each one stalled the step that needed it
+        self.serving_compile_seconds = 0.0  # the time those steps' jitted calls took (the compile in it)
+        self._warming_up = False
+        self._warmed_up = False  # `warmup` ran: a compile after it is a bucket warm-up missed (logged as a warning)
         self.time_prepare = 0.0  # host: building the step's inputs
         self.time_dispatch = 0.0  # host: the jitted call, which starts the step and returns
         self.time_device = 0.0  # host waiting for the device in `fetch`
@@ -246,12 +253,31 @@ class ModelRunner:
         counts compilations. Returns (tokens [max_num_seqs] on the device, packed results [S, 2 + 2k]
         on the device)."""
         traces_before = self._traces[0]
+        t0 = time.perf_counter()
         prev = self._no_tokens if prev_tokens is None else prev_tokens
         tokens, packed, self.cache, self.penalties = self._step_fn(
             self._param_leaves, self.cache, self.penalties, prev, inputs.buffer, inputs.layout, decode_only,
             num_top_logprobs)
-        self.num_compiles += self._traces[0] - traces_before
+        compiled = self._traces[0] - traces_before
+        if compiled:
+            self.num_compiles += compiled
+            if not self._warming_up:
+                self._note_serving_compile(inputs.layout, decode_only, num_top_logprobs, time.perf_counter() - t0)
         return tokens, packed
+
+    def _note_serving_compile(self, layout: InputLayout, decode_only: bool, num_top_logprobs: int,
+                              seconds: float) -> None:
+        """Count and log a step function compiled on first use (outside warm-up): every request of
+        that step, and with it the whole engine, waited for the compiler. A warning once warm-up has
+        run (it missed this bucket), debug before (an engine without warm-up compiles as it goes)."""
+        self.num_serving_compiles += 1
+        self.serving_compile_seconds += seconds
+        level = logging.WARNING if self._warmed_up else logging.DEBUG
+        log.log(level, "compiled the step of bucket T=%d S=%d B=%d (%s%s) on first use: %.2f s, which the step waited "
+                "for. Warm-up compiles the common buckets; with a persistent compilation cache "
+                "(--compilation-cache-dir) a later compile of this bucket is fast.",
+                *layout.bucket, "decode-only" if decode_only else "mixed",
+                f", top {num_top_logprobs} logprobs" if num_top_logprobs else "", seconds)
 
     # --- input building ------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> tuple[HostInputs, bool, int]:
@@ -401,9 +427,14 @@ class ModelRunner:
 
         Runs on all-padding inputs (every write lands in the null block), so the cache is unchanged.
         """
-        for t, s, b, decode_only in tqdm(shapes, desc="compiling step buckets", unit="bucket"):
-            self.run(self.padding_inputs(t, s, b), decode_only)
-        jax.block_until_ready(self.cache)
+        self._warming_up = True
+        try:
+            for t, s, b, decode_only in tqdm(shapes, desc="compiling step buckets", unit="bucket"):
+                self.run(self.padding_inputs(t, s, b), decode_only)
+            jax.block_until_ready(self.cache)
+        finally:
+            self._warming_up = False
+        self._warmed_up = True
 
     def padding_inputs(self, t: int, s: int, b: int) -> HostInputs:
         """All-padding inputs of bucket (T, S, B): every write lands in the null block; greedy."""

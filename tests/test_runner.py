@@ -28,18 +28,17 @@ def test_bucket_floors(buckets):
     assert buckets.shape(9, 1, 200) == (16, 2, 256)  # 200 blocks of 8 tokens
 
 
-def test_warmup_shapes_cover_each_bucket_once(buckets):
+def test_warmup_shapes_are_exactly_the_buckets_of_every_batch_within_the_smallest_tables(buckets):
+    """Every batch a step can hold (decode-only: n requests of one token; otherwise n requests of
+    `tokens` >= n new tokens in all) with block tables within the smallest bucket has its bucket
+    among the warm-up shapes, and every warm-up shape is such a batch's bucket."""
     shapes = buckets.warmup_shapes()
-    assert len(shapes) == len(set(shapes)) == 17
-    assert {b for *_, b, _ in shapes} == {buckets_mod.MIN_BLOCK_TOKENS // 8}
-    decode = {s for t, s, b, d in shapes if d}
-    mixed = {t for t, s, b, d in shapes if not d}
-    assert decode == {1, 2, 4, 8, 16, 32, 64}
-    assert mixed == {8, 16, 32, 64, 128}
-    for t, s, b, decode_only in shapes:  # each is the bucket of a real batch
-        n = s if decode_only else min(s, t - 1)
-        tokens = n if decode_only else t
-        assert buckets.shape(tokens, n, b) == (t, s, b)
+    assert len(shapes) == len(set(shapes))
+    b = buckets_mod.MIN_BLOCK_TOKENS // 8
+    reachable = {(*buckets.shape(n, n, blocks), True) for n in range(1, 65) for blocks in (1, b)}
+    reachable |= {(*buckets.shape(tokens, n, blocks), False)
+                  for tokens in range(1, 129) for n in range(1, min(tokens, 64) + 1) for blocks in (1, b)}
+    assert set(shapes) == reachable
     longer = buckets.warmup_shapes(max_context=2048)
     assert {b for *_, b, _ in longer} == {128, 256} and set(shapes) < set(longer)
 
@@ -114,3 +113,41 @@ def test_warmup_compiles_the_common_buckets_and_leaves_the_cache_alone():
     assert engine.runner.num_compiles == compiles  # (compiled executables are shared: the cold engine comes after)
     cold = [o.outputs[0].token_ids for o in run_to_completion(tiny_engine(**config), prompts)]
     assert warm == cold
+
+
+def test_a_compile_outside_warm_up_is_counted_and_after_warm_up_warned(caplog):
+    """Every step function compiled outside `warmup` counts (`num_serving_compiles`, the metrics'
+    `step_compilations`); once warm-up has run, each is a bucket it missed and is logged as a
+    warning naming the bucket. The runner gets its own (unshared) step function, so what earlier
+    tests compiled does not hide a compile here."""
+    import logging
+
+    from llmjax.sampling_params import MAX_LOGPROBS, SamplingParams
+    from tests.engine_helpers import run_to_completion, tiny_engine
+
+    engine = tiny_engine(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    runner = engine.runner
+    runner._step_fn, runner._traces = runner.step_function(runner.backend)
+    prompt = [[5, 6, 7, 8, 9]]
+    with caplog.at_level(logging.DEBUG, logger="llmjax.runner"):
+        run_to_completion(engine, prompt)  # no warm-up yet: its prefill and decode buckets compile on use
+    assert (runner.num_compiles, runner.num_serving_compiles) == (2, 2) and runner.serving_compile_seconds > 0
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG] * 2
+
+    engine = tiny_engine(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    runner = engine.runner
+    runner._step_fn, runner._traces = runner.step_function(runner.backend)
+    t, s, b = runner.buckets.shape(1, 1, 1)
+    runner.warmup([(t, s, b, True)])  # the decode bucket of one request only
+    assert (runner.num_compiles, runner.num_serving_compiles) == (1, 0)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="llmjax.runner"):
+        run_to_completion(engine, prompt)  # its prefill (mixed) bucket was not warmed
+        assert runner.num_serving_compiles == 1
+        run_to_completion(engine, prompt, SamplingParams(max_tokens=3, logprobs=1))  # top logprobs: both again
+    assert runner.num_serving_compiles == 3 and runner.num_compiles == 4
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 3 and all(r.levelno == logging.WARNING for r in caplog.records)
+    assert messages[0].startswith(f"compiled the step of bucket T={t} S=1 B={b} (mixed) on first use")
+    assert all(f"top {MAX_LOGPROBS} logprobs" in m for m in messages[1:])
+    assert any("(decode-only, top" in m for m in messages[1:])

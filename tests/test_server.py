@@ -332,11 +332,28 @@ def test_metrics_names(client):
                  "e2e_request_latency_seconds_count", "request_success_total", "request_queue_time_seconds_count",
                  "request_prefill_time_seconds_count", "request_decode_time_seconds_count",
                  "request_prompt_tokens_count", "request_generation_tokens_count", "engine_errors_total",
-                 "cache_config_info"):
+                 "step_compilations_total", "step_compile_seconds_total", "cache_config_info"):
         assert f"llmjax:{name}" in m, name
     assert m["llmjax:e2e_request_latency_seconds_count"] > 0 and m["llmjax:prompt_tokens_total"] > 0
     [(labels, value)] = _samples(client, "llmjax:cache_config_info").items()
     assert value == 1 and labels[0] == "8"  # block_size (tiny_engine's), the first label by name
+
+
+def test_engine_gauges_and_counters_come_from_the_latest_stats_snapshot():
+    from llmjax.serve.async_engine import EngineStats
+    from llmjax.serve.metrics import ServerMetrics
+
+    snapshot = [EngineStats()]
+    server_metrics = ServerMetrics(lambda: snapshot[0], "m", 64, {"block_size": "8"})
+    snapshot[0] = EngineStats(num_running=3, num_waiting=2, kv_usage=0.25, prefix_queried_tokens=40,
+                              prefix_hit_tokens=16, num_preemptions=1, prompt_tokens=50, generation_tokens=7,
+                              num_engine_errors=4, num_serving_compiles=2, serving_compile_seconds=1.5)
+    m = parse_metrics(server_metrics.render().decode())
+    expected = {"num_requests_running": 3, "num_requests_waiting": 2, "kv_cache_usage_perc": 0.25,
+                "prefix_cache_queries_total": 40, "prefix_cache_hits_total": 16, "num_preemptions_total": 1,
+                "prompt_tokens_total": 50, "generation_tokens_total": 7, "engine_errors_total": 4,
+                "step_compilations_total": 2, "step_compile_seconds_total": 1.5}
+    assert {name: m[f"llmjax:{name}"] for name in expected} == expected
 
 
 def test_request_metrics_count_each_finished_request(client):

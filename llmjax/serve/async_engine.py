@@ -70,6 +70,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_engine_errors: int = 0  # requests the engine failed (admission or step exceptions), a dead loop
+    num_serving_compiles: int = 0  # step functions compiled outside warm-up (each stalled the engine)
+    serving_compile_seconds: float = 0.0  # the time the steps that compiled them took
 
 
 @dataclass(frozen=True)
@@ -259,6 +261,8 @@ class AsyncEngine:
             prefix_queried_tokens=prefix.queried_tokens, prefix_hit_tokens=prefix.hit_tokens,
             num_preemptions=engine.scheduler.num_preemptions, prompt_tokens=engine.num_prompt_tokens,
             generation_tokens=engine.num_generation_tokens, num_engine_errors=self.num_engine_errors,
+            num_serving_compiles=engine.runner.num_serving_compiles,
+            serving_compile_seconds=engine.runner.serving_compile_seconds,
         )
 
     def _die(self, error: BaseException) -> None:

@@ -54,6 +54,10 @@ class _EngineCollector:
             ("generation_tokens", "Generated tokens.", s.generation_tokens),
             ("engine_errors", "Requests the engine failed (an exception admitting or stepping them), a dead loop.",
              s.num_engine_errors),
+            ("step_compilations", "Step functions compiled outside warm-up; the engine waited for each.",
+             s.num_serving_compiles),
+            ("step_compile_seconds", "Time of the steps that compiled a step function outside warm-up.",
+             s.serving_compile_seconds),
         ]:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], value)
