@@ -8,7 +8,9 @@ them through `engine.runner._step`, next to the same step with other attention i
 - `engine`: the step as the engine runs it (the configured attention backend);
 - `baseline`: the same step with `llmjax/attention/xla.py` taken from a git revision
   (`--baseline-ref`, e.g. the commit before an attention change);
-- `no attention`: attention replaced by a zero-cost stub (returns q): the rest of the step.
+- `no attention`: attention replaced by a zero-cost stub (returns q): the rest of the step;
+- with `--wide-tables`, `engine 2B`: the engine's step on the same batch with block tables twice
+  its bucket's width (B), what a larger block-table floor (`llmjax.buckets.MIN_BLOCK_TOKENS`) costs.
 
 Every variant is compiled first, then the variants run in alternation (`--repeats` rounds) so a
 shared, noisy CPU slows them alike; the table gives medians of wall time and of process CPU time
@@ -17,7 +19,8 @@ shared, noisy CPU slows them alike; the table gives medians of wall time and of 
 
     python experiments/step_profile.py [--baseline-ref REV] [--cases decode,mixed,prefill]
                                        [--dtypes float32,bfloat16]
-                                       [--repeats 5] [--out results/step_profile.md]
+                                       [--repeats 5] [--attention-backend xla] [--wide-tables]
+                                       [--out results/step_profile.md]
 """
 
 from __future__ import annotations
@@ -101,6 +104,9 @@ def main() -> None:
     parser.add_argument("--cases", default="decode,mixed,prefill")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtypes", default="float32,bfloat16", help="model dtypes to profile side by side")
+    parser.add_argument("--attention-backend", default=None, help="the engine's backend (default: the platform's)")
+    parser.add_argument("--wide-tables", action="store_true",
+                        help="also run the engine's step with block tables twice as wide (B x 2)")
     parser.add_argument("--out", default=None, help="also write the markdown table here")
     args = parser.parse_args()
 
@@ -114,20 +120,22 @@ def main() -> None:
     engines, variants = {}, {}
     for dtype in args.dtypes.split(","):
         config = EngineConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=1024,
-                              kv_cache_memory_bytes=1 << 30, dtype=dtype)
+                              kv_cache_memory_bytes=1 << 30, dtype=dtype, attention_backend=args.attention_backend)
         engine = engines[dtype] = LLMEngine.from_config(None, config)
         runner = engine.runner
 
         def step_fn(backend, runner=runner):
             return runner.step_function(backend)[0]
 
-        variants[f"engine {dtype}"] = (runner, None)
+        variants[f"engine {dtype}"] = (runner, None, 1)  # (runner, step function or its own, B multiple)
+        if args.wide_tables:
+            variants[f"engine 2B {dtype}"] = (runner, None, 2)
         if args.baseline_ref:
             old = load_attention_from_git(args.baseline_ref)
             variants[f"baseline {dtype}"] = (runner, step_fn(AttentionBackend(
-                f"xla@{args.baseline_ref}", old.ragged_paged_attention, old.mla_ragged_paged_attention)))
+                f"xla@{args.baseline_ref}", old.ragged_paged_attention, old.mla_ragged_paged_attention)), 1)
         stub = AttentionBackend("stub", lambda q, *a, **k: q, lambda q, *a, **k: q)
-        variants[f"no attention {dtype}"] = (runner, step_fn(stub))
+        variants[f"no attention {dtype}"] = (runner, step_fn(stub), 1)
     engine = next(iter(engines.values()))
     runner, bs = engine.runner, engine.config.block_size
 
@@ -137,16 +145,19 @@ def main() -> None:
     for name in args.cases.split(","):
         desc, q_lens, contexts = all_cases[name]
         t, s, b = runner.buckets.shape(sum(q_lens), len(q_lens), -(-max(contexts) // bs))
-        step = make_step(q_lens, contexts, t, s, b, bs, engine.num_blocks, rng)
+        inputs = {}  # B multiple -> the batch's inputs (the same batch: its tables widened with null blocks)
+        seed = int(rng.integers(2**31))
+        for k in sorted({widen for *_, widen in variants.values()}):
+            step = make_step(q_lens, contexts, t, s, k * b, bs, engine.num_blocks, np.random.default_rng(seed))
+            inputs[k] = HostInputs.pack(step, runner.padding_inputs(t, s, k * b).sampling_input())  # greedy
         decode_only = int(step.num_decodes) == len(q_lens)
-        inputs = HostInputs.pack(step, runner.padding_inputs(t, s, b).sampling_input())  # greedy
 
         def run(variant):
-            owner, fn = variant
+            owner, fn, widen = variant
             own = owner._step_fn
             owner._step_fn = fn or own  # None: the engine's own step
             try:
-                out = owner.run(inputs, decode_only)
+                out = owner.run(inputs[widen], decode_only)
             finally:
                 owner._step_fn = own
             jax.block_until_ready(out)
@@ -175,6 +186,8 @@ def main() -> None:
     head += "".join(f" | attention share {d} (cpu)" for d in dtypes) + " |"
     if args.baseline_ref:
         head += "".join(f" baseline / engine {d} (cpu) |" for d in dtypes)
+    if args.wide_tables:
+        head += "".join(f" 2B / B {d} (cpu) |" for d in dtypes)
     if len(dtypes) > 1:
         head += f" {dtypes[0]} / {dtypes[1]} (cpu) |"
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
@@ -186,6 +199,8 @@ def main() -> None:
             line += f" {share:.0%} |"
         if args.baseline_ref:
             line += "".join(f" {med[f'baseline {d}'][1] / med[f'engine {d}'][1]:.2f}x |" for d in dtypes)
+        if args.wide_tables:
+            line += "".join(f" {med[f'engine 2B {d}'][1] / med[f'engine {d}'][1]:.3f}x |" for d in dtypes)
         if len(dtypes) > 1:
             line += f" {med[f'engine {dtypes[0]}'][1] / med[f'engine {dtypes[1]}'][1]:.2f}x |"
         lines.append(line)

@@ -8,8 +8,11 @@ with its bucket; the runner pads to it, warm-up compiles `warmup_shapes()`, the 
 
 Floors keep the number of compiled steps small where padding is (nearly) free: attention's work
 follows the traced context lengths and request counts (loop bounds), not B or padded requests, so
-B starts at `MIN_BLOCK_TOKENS` tokens of table; and a mixed step pads S to at least
-T / `MIXED_TOKENS_PER_SEQ` (the padded rows cost only LM-head rows: < 4% of such a step).
+B starts at `MIN_BLOCK_TOKENS` tokens of table (2048: a model of that context, such as the embedded
+SmolLM2, has a single B, so warm-up covers every context it can see; tables twice as wide as
+needed cost no measurable step time, `experiments/step_profile.py --wide-tables`); and a mixed
+step pads S to at least T / `MIXED_TOKENS_PER_SEQ` (the padded rows cost only LM-head rows: < 4%
+of such a step).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from llmjax.config import EngineConfig
 
 MIN_TOKEN_BUCKET = 8
 MIN_BLOCK_BUCKET = 8
-MIN_BLOCK_TOKENS = 1024  # block tables are at least this many tokens wide (capped by max_model_len)
+MIN_BLOCK_TOKENS = 2048  # block tables are at least this many tokens wide (capped by max_model_len)
 MIXED_TOKENS_PER_SEQ = 8  # a mixed step (some request has > 1 token) has S >= T / 8
 
 Shape = tuple[int, int, int, bool]  # (T, S, B, decode_only)

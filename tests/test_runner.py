@@ -14,18 +14,22 @@ from llmjax.config import EngineConfig
 
 @pytest.fixture(scope="module")
 def buckets():
-    return StepBuckets(EngineConfig(max_num_batched_tokens=128, max_num_seqs=64, block_size=8, max_model_len=2048))
+    return StepBuckets(EngineConfig(max_num_batched_tokens=128, max_num_seqs=64, block_size=8, max_model_len=8192))
 
 
 def test_bucket_floors(buckets):
+    assert buckets_mod.MIN_BLOCK_TOKENS == 2048  # the literals below: 256 blocks of 8 tokens
     # decode-only: S follows the request count, T = S (at least 8)
-    assert buckets.shape(3, 3, 1) == (8, 4, 128)
-    assert buckets.shape(33, 33, 1) == (64, 64, 128)
+    assert buckets.shape(3, 3, 1) == (8, 4, 256)
+    assert buckets.shape(33, 33, 1) == (64, 64, 256)
     # mixed: S >= T / 8, block tables >= MIN_BLOCK_TOKENS tokens wide
-    assert buckets.shape(100, 2, 1) == (128, 16, 128)
-    assert buckets.shape(100, 40, 1) == (128, 64, 128)
-    assert buckets.shape(9, 1, 1) == (16, 2, 128)
-    assert buckets.shape(9, 1, 200) == (16, 2, 256)  # 200 blocks of 8 tokens
+    assert buckets.shape(100, 2, 1) == (128, 16, 256)
+    assert buckets.shape(100, 40, 1) == (128, 64, 256)
+    assert buckets.shape(9, 1, 1) == (16, 2, 256)
+    assert buckets.shape(9, 1, 300) == (16, 2, 512)  # 300 blocks of 8 tokens
+    # capped by max_model_len: a 2048-token model has a single B
+    small = StepBuckets(EngineConfig(max_num_batched_tokens=128, max_num_seqs=64, block_size=16, max_model_len=2048))
+    assert {small.shape(1, 1, blocks)[2] for blocks in range(1, 129)} == {128}
 
 
 def test_warmup_shapes_are_exactly_the_buckets_of_every_batch_within_the_smallest_tables(buckets):
@@ -39,8 +43,8 @@ def test_warmup_shapes_are_exactly_the_buckets_of_every_batch_within_the_smalles
     reachable |= {(*buckets.shape(tokens, n, blocks), False)
                   for tokens in range(1, 129) for n in range(1, min(tokens, 64) + 1) for blocks in (1, b)}
     assert set(shapes) == reachable
-    longer = buckets.warmup_shapes(max_context=2048)
-    assert {b for *_, b, _ in longer} == {128, 256} and set(shapes) < set(longer)
+    longer = buckets.warmup_shapes(max_context=4096)
+    assert {b for *_, b, _ in longer} == {256, 512} and set(shapes) < set(longer)
 
 
 def test_token_slice_equals_slicing_the_whole_sequence():
