@@ -13,7 +13,11 @@ Two layers:
   Its rows are `tile_tokens x width` (tokens x heads, `width` = `group` rounded up to
   a power of two, at least 16 rows in all for the tensor-core dot).
   Split-K (flash-decoding): programs of split tiles write (acc, max, sum) partials that
-  `combine_splits` merges, so a few long requests still fill the GPU. Either no tile is
+  `combine_splits` merges, so a few long requests still fill the GPU. A split tile's own
+  context (not the block table's width, which the longest context allowed sets) is cut
+  into `num_splits` equal ranges of at least MIN_SPLIT_STEPS steps, so short and long
+  requests alike spread their keys over the splits, and a split past a short context
+  reads nothing. Either no tile is
   split (`num_splits == 1`), every tile is (`split_tiles=None`: decode), or the first
   `split_tiles` tiles (a traced count: a mixed batch's decodes, one token each, tile t
   being request t) are, while the other tiles run whole in split 0.
@@ -107,6 +111,15 @@ def choose_splits(num_programs: int, num_steps: int, *, step_bytes: int, num_war
     return max(1, min(want, num_steps // MIN_SPLIT_STEPS))
 
 
+def split_range(steps, split, num_splits: int):
+    """Steps [lo, hi) of split `split` of a tile with `steps` steps of cache blocks: `num_splits`
+    consecutive ranges of equal length, at least MIN_SPLIT_STEPS (so trailing splits of a short
+    context are empty, lo >= hi). Works on traced int32 scalars and Python ints."""
+    per_split = jnp.maximum((steps + num_splits - 1) // num_splits, MIN_SPLIT_STEPS)
+    lo = split * per_split
+    return lo, jnp.minimum(lo + per_split, steps)
+
+
 def paged_tiles_attention(q_parts, caches, layer, meta, block_tables, *, sm_scale,
                           tile_tokens, group, num_head_blocks, block_fn: BlockFn, out_dim,
                           block_size, pages_per_step=1, num_splits=1, split_tiles=None,
@@ -124,8 +137,6 @@ def paged_tiles_attention(q_parts, caches, layer, meta, block_tables, *, sm_scal
     rows = tile_tokens * width
     pages = pages_per_step
     keys = pages * block_size
-    num_steps = -(-max_pages // pages)
-    steps_per_split = -(-num_steps // num_splits)
     dtype = q_parts[0].dtype
     mode = "direct" if num_splits == 1 else ("split" if split_tiles is None else "mixed")
     # partial rows: one per split tile, padded so a tile's [tile_tokens] store stays in bounds
@@ -168,8 +179,7 @@ def paged_tiles_attention(q_parts, caches, layer, meta, block_tables, *, sm_scal
         if mode == "direct":
             lo, hi = 0, steps
         else:
-            split_lo = split * steps_per_split
-            split_hi = jnp.minimum(split_lo + steps_per_split, steps)
+            split_lo, split_hi = split_range(steps, split, num_splits)
             if mode == "split":
                 lo, hi = split_lo, split_hi
             else:

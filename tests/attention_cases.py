@@ -44,9 +44,12 @@ class Batch:
 
 
 def make_batch(rng, kind, *, num_seqs=6, block_size=8, max_blocks=8, num_padded=1,
-               pad_tokens=3, max_q=24):
+               pad_tokens=3, max_q=24, table_blocks=None):
     """kind: 'decode' | 'prefill' | 'mixed'. Contexts end both mid-block and on a block
-    boundary; some prefills are chunks after a cached prefix, some are whole prompts."""
+    boundary; some prefills are chunks after a cached prefix, some are whole prompts.
+    Contexts fill at most `max_blocks` blocks of block tables `table_blocks` wide (default
+    `max_blocks`; wider: the engine's tables, sized for the longest context allowed)."""
+    table_blocks = table_blocks or max_blocks
     cap = block_size * max_blocks
     n_real = num_seqs - num_padded
     if kind == "decode":
@@ -72,13 +75,13 @@ def make_batch(rng, kind, *, num_seqs=6, block_size=8, max_blocks=8, num_padded=
     need = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(need) + 4
     ids = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)
-    tables = np.zeros((num_seqs, max_blocks), np.int32)
+    tables = np.zeros((num_seqs, table_blocks), np.int32)
     used = 0
     for i, n in enumerate(need):
         tables[i, :n] = ids[used:used + n]
         used += n
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    return Batch(q_lens, seq_lens, n_dec, int(qsl[-1]) + pad_tokens, block_size, max_blocks,
+    return Batch(q_lens, seq_lens, n_dec, int(qsl[-1]) + pad_tokens, block_size, table_blocks,
                  qsl, np.asarray(seq_lens, np.int32), tables, num_blocks)
 
 

@@ -26,6 +26,7 @@ from tests.attention_cases import make_batch, random_cache, rng  # noqa: F401  (
 from llmjax.attention import get_attention_backend, xla
 from pallas_kernels import (flash_attention, flash_prefill, mla_ragged_paged_attention, paged_attention,
                             prefill_segment_starts, ragged_paged_attention)
+from pallas_kernels.paged_attention import MIN_SPLIT_STEPS, split_range
 from pallas_kernels.platform import default_interpret, lower_for_cuda, on_gpu
 from pallas_kernels.ragged_paged_attention import plan_tiles
 
@@ -143,9 +144,12 @@ def test_ragged_rejects_unsupported_shapes(rng):
 
 # --- paged decode attention (split-K) ---
 
-@pytest.mark.parametrize("num_splits,pages_per_step", [(1, 1), (3, 2), (None, None)])
-def test_paged_decode(rng, num_splits, pages_per_step):
-    batch = make_batch(rng, "decode", block_size=BS, max_blocks=8, num_padded=2)
+@pytest.mark.parametrize("num_splits,pages_per_step,table_blocks", [
+    (1, 1, 8), (3, 2, 8), (None, None, 8),
+    (4, 1, 40),  # contexts of up to 8 blocks in tables 40 wide: each split takes a share of the context
+])
+def test_paged_decode(rng, num_splits, pages_per_step, table_blocks):
+    batch = make_batch(rng, "decode", block_size=BS, max_blocks=8, num_padded=2, table_blocks=table_blocks)
     q, k, v, layer = gqa_inputs(rng, batch, num_kv_heads=2, group=4)
     qsl, seq_lens, tables, _ = batch.args()
     rows = q[qsl[:-1]]  # padded requests read a padded token: their output must be 0
@@ -158,6 +162,21 @@ def test_paged_decode(rng, num_splits, pages_per_step):
     assert_matches(out, ref, jnp.float32)
     lowers_for_cuda(functools.partial(paged_attention, sm_scale=0.25, num_splits=num_splits),
                     rows, k, v, layer, seq_lens, tables)
+
+
+def test_split_ranges_cover_each_context_evenly():
+    """A tile's steps are cut into `num_splits` consecutive disjoint ranges that cover them exactly,
+    each as long as an even share (at least MIN_SPLIT_STEPS): set by the tile's own context, not by
+    the table width."""
+    for num_splits in range(1, 9):
+        for steps in range(0, 41):
+            ranges = [tuple(int(x) for x in split_range(jnp.int32(steps), jnp.int32(split), num_splits))
+                      for split in range(num_splits)]
+            covered = [j for lo, hi in ranges for j in range(lo, hi)]
+            assert covered == list(range(steps)), (steps, num_splits, ranges)
+            share = max(-(-steps // num_splits), MIN_SPLIT_STEPS)
+            assert all(hi - lo <= share for lo, hi in ranges), (steps, num_splits, ranges)
+            assert sum(hi > lo for lo, hi in ranges) == min(num_splits, -(-steps // share)), ranges
 
 
 # --- MLA ---
