@@ -70,8 +70,7 @@ class StepBuckets:
         block-table bucket; longer contexts compile on first use): for each block-table bucket B,
         decode-only steps at each request-count bucket S, and mixed steps at each token bucket T
         with each request-count bucket such a step can pad to, so that no step of a server within
-        these contexts waits for a compile (steps with top logprobs, a separate variant, do). 29
-        shapes for T=512, S=64."""
+        these contexts waits for a compile. 29 shapes for T=512, S=64."""
         blocks = self.min_blocks if max_context is None else -(-max_context // self.block_size)
         shapes: list[Shape] = []
         for b in powers(self.min_blocks, bucket(blocks, self.min_blocks, self.max_blocks)):

@@ -69,11 +69,10 @@ class StepResult:
 @dataclass
 class InFlight:
     """A dispatched step: its device outputs, not yet waited for. `tokens` ([max_num_seqs] int32) feeds
-    the next step; `packed` ([S, 2 + 2k] int32: token, logprob bits, top ids, top logprob bits) is
-    what `fetch` brings to the host."""
+    the next step; `packed` ([S, 2 + 2 * MAX_LOGPROBS] int32: token, logprob bits, top ids, top logprob
+    bits) is what `fetch` brings to the host."""
 
     num_requests: int
-    num_top: int
     tokens: jax.Array
     packed: jax.Array
 
@@ -107,7 +106,7 @@ def _make_step_function(graphdef, param_tree, backend, block_size: int, layout: 
         backend = parallel.sharded_attention(backend, layout.mesh)
 
     def step(params, cache, penalties: PenaltyState, prev_tokens, inputs, layout: InputLayout,
-             decode_only: bool, num_top_logprobs: int):
+             decode_only: bool):
         traces[0] += 1  # runs only while tracing
         step_input, sampling = unpack(inputs, layout)  # written on the host (`HostInputs`)
         params = jax.tree.unflatten(param_tree, params)
@@ -116,7 +115,7 @@ def _make_step_function(graphdef, param_tree, backend, block_size: int, layout: 
         step_input = step_input.replace(token_ids=tokens)
         model = nnx.merge(graphdef, params)
         logits, cache = model.forward_paged(cache, step_input, backend, block_size, decode_only)
-        (ids, lp, top_ids, top_lp), penalties = sample(logits, sampling, penalties, num_top_logprobs)
+        (ids, lp, top_ids, top_lp), penalties = sample(logits, sampling, penalties)
         bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)  # noqa: E731
         packed = jnp.concatenate([ids[:, None], bits(lp)[:, None], top_ids, bits(top_lp)], axis=1)
         padded = jnp.zeros(max_num_seqs, jnp.int32).at[: ids.shape[0]].set(ids[:max_num_seqs])
@@ -130,7 +129,7 @@ def _make_step_function(graphdef, param_tree, backend, block_size: int, layout: 
         shardings = dict(in_shardings=(tuple(jax.tree.leaves(params)), cache, rep, rep, rep),
                          out_shardings=(rep, out, out_cache, rep))
     # static arguments by position: jit accepts no keyword arguments alongside in_shardings
-    jitted = jax.jit(step, static_argnums=(5, 6, 7), donate_argnums=(1, 2), **shardings)
+    jitted = jax.jit(step, static_argnums=(5, 6), donate_argnums=(1, 2), **shardings)
     return jitted, traces
 
 
@@ -174,12 +173,11 @@ class _RowParams:
 
 class _SamplingWritten(NamedTuple):
     """What `ModelRunner._write_sampling` wrote last: for the rows array `rows` and `samples` of a
-    step, into `inputs`; whether a row wants top logprobs, whether a row uses logits processing."""
+    step, into `inputs`; whether a row uses logits processing."""
 
     rows: np.ndarray
     samples: np.ndarray
     inputs: HostInputs
-    want_top: bool
     processing: bool
 
 
@@ -247,42 +245,38 @@ class ModelRunner:
     def _replicated(self, x):
         return jax.device_put(x, None if self.layout is None else self.layout.replicated)
 
-    def run(self, inputs: HostInputs, decode_only: bool, num_top_logprobs: int = 0,
-            prev_tokens: jax.Array | None = None):
+    def run(self, inputs: HostInputs, decode_only: bool, prev_tokens: jax.Array | None = None):
         """Run the jitted step on `inputs` and the runner's cache and tables (which it replaces);
-        counts compilations. Returns (tokens [max_num_seqs] on the device, packed results [S, 2 + 2k]
-        on the device)."""
+        counts compilations. Returns (tokens [max_num_seqs] on the device, packed results
+        [S, 2 + 2 * MAX_LOGPROBS] on the device)."""
         traces_before = self._traces[0]
         t0 = time.perf_counter()
         prev = self._no_tokens if prev_tokens is None else prev_tokens
         tokens, packed, self.cache, self.penalties = self._step_fn(
-            self._param_leaves, self.cache, self.penalties, prev, inputs.buffer, inputs.layout, decode_only,
-            num_top_logprobs)
+            self._param_leaves, self.cache, self.penalties, prev, inputs.buffer, inputs.layout, decode_only)
         compiled = self._traces[0] - traces_before
         if compiled:
             self.num_compiles += compiled
             if not self._warming_up:
-                self._note_serving_compile(inputs.layout, decode_only, num_top_logprobs, time.perf_counter() - t0)
+                self._note_serving_compile(inputs.layout, decode_only, time.perf_counter() - t0)
         return tokens, packed
 
-    def _note_serving_compile(self, layout: InputLayout, decode_only: bool, num_top_logprobs: int,
-                              seconds: float) -> None:
+    def _note_serving_compile(self, layout: InputLayout, decode_only: bool, seconds: float) -> None:
         """Count and log a step function compiled on first use (outside warm-up): every request of
         that step, and with it the whole engine, waited for the compiler. A warning once warm-up has
         run (it missed this bucket), debug before (an engine without warm-up compiles as it goes)."""
         self.num_serving_compiles += 1
         self.serving_compile_seconds += seconds
         level = logging.WARNING if self._warmed_up else logging.DEBUG
-        log.log(level, "compiled the step of bucket T=%d S=%d B=%d (%s%s) on first use: %.2f s, which the step waited "
+        log.log(level, "compiled the step of bucket T=%d S=%d B=%d (%s) on first use: %.2f s, which the step waited "
                 "for. Warm-up compiles the common buckets; with a persistent compilation cache "
                 "(--compilation-cache-dir) a later compile of this bucket is fast.",
-                *layout.bucket, "decode-only" if decode_only else "mixed",
-                f", top {num_top_logprobs} logprobs" if num_top_logprobs else "", seconds)
+                *layout.bucket, "decode-only" if decode_only else "mixed", seconds)
 
     # --- input building ------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> tuple[HostInputs, bool, int]:
+    def prepare(self, out: SchedulerOutput) -> tuple[HostInputs, bool]:
         """Write the scheduled batch, padded to its bucket, into a step's input buffer; vectorised
-        (loops only over new rows). Returns (inputs, decode_only, top logprobs to compute)."""
+        (loops only over new rows). Returns (inputs, decode_only)."""
         for init in out.new_rows:
             self._take_row(init)
         n, total = len(out.requests), out.num_tokens
@@ -312,12 +306,12 @@ class ModelRunner:
         source[total:] = -1
         field("seq_lens")[:n] = starts + n_new
         field("num_decodes")[...] = out.num_decodes
-        want_top = self._write_sampling(inputs, out)
-        return inputs, out.decode_only, MAX_LOGPROBS if want_top else 0
+        self._write_sampling(inputs, out)
+        return inputs, out.decode_only
 
-    def _write_sampling(self, inputs: HostInputs, out: SchedulerOutput) -> bool:
+    def _write_sampling(self, inputs: HostInputs, out: SchedulerOutput) -> None:
         """Write the per-request sampling arrays, gathered from the rows' parameters (padded rows:
-        greedy, no processing); returns whether any request wants top logprobs. A step on the same
+        greedy, no processing). A step on the same
         rows array as the last one (the scheduler's steady decodes) copies the last step's sampling
         words: only the output counts (and the min_tokens masks of processed rows) change."""
         r, rows, n = self._rows, out.rows, len(out.requests)
@@ -330,7 +324,7 @@ class ModelRunner:
             if last.processing:
                 field("in_min_tokens")[:n] = r.processed[rows] & (out.output_index < r.min_tokens[rows])
             self._last_sampling = last._replace(inputs=inputs)
-            return last.want_top
+            return
         processed = r.processed[rows]
         for name, values in (("temperature", r.temperature), ("top_k", r.top_k), ("top_p", r.top_p),
                              ("min_p", r.min_p), ("seed_hi", r.seed_hi), ("seed_lo", r.seed_lo),
@@ -347,9 +341,8 @@ class ModelRunner:
         field("keep")[:n] = out.samples
         field("in_min_tokens")[:n] = processed & (out.output_index < r.min_tokens[rows])
         field("want_logprob")[:n] = r.logprobs[rows] >= 0
-        want_top = bool(n) and bool((r.logprobs[rows] > 0).any())
-        self._last_sampling = _SamplingWritten(rows, out.samples, inputs, want_top, bool(processed.any()))
-        return want_top
+        field("want_top")[:n] = r.logprobs[rows] > 0
+        self._last_sampling = _SamplingWritten(rows, out.samples, inputs, bool(processed.any()))
 
     def _take_row(self, init: RowInit) -> None:
         """A request took `init.row`: its sampling parameters, and its logits-processing table filled
@@ -401,20 +394,20 @@ class ModelRunner:
         """Build the inputs and start the step without waiting for it. `previous` is the step whose
         sampled tokens the scheduler's `token_source` points into (None: no token is on the device)."""
         t0 = time.perf_counter()
-        inputs, decode_only, num_top = self.prepare(out)
+        inputs, decode_only = self.prepare(out)
         t1 = time.perf_counter()
-        tokens, packed = self.run(inputs, decode_only, num_top, None if previous is None else previous.tokens)
+        tokens, packed = self.run(inputs, decode_only, None if previous is None else previous.tokens)
         t2 = time.perf_counter()
         self.time_prepare += t1 - t0
         self.time_dispatch += t2 - t1
-        return InFlight(len(out.requests), num_top, tokens, packed)
+        return InFlight(len(out.requests), tokens, packed)
 
     def fetch(self, inflight: InFlight) -> StepResult:
         """Wait for a dispatched step and bring its results to the host (one transfer)."""
         t0 = time.perf_counter()
         packed = np.asarray(inflight.packed)[: inflight.num_requests]
         self.time_device += time.perf_counter() - t0
-        k = inflight.num_top
+        k = MAX_LOGPROBS
         return StepResult(packed[:, 0], packed[:, 1].view(np.float32), packed[:, 2 : 2 + k],
                           packed[:, 2 + k :].view(np.float32))
 
@@ -444,4 +437,4 @@ class ModelRunner:
         """The step of bucket (T, S, B) lowered for inspection (`.compile().as_text()` is its HLO); runs nothing."""
         inputs = self.padding_inputs(t, s, b)
         return self._step_fn.lower(self._param_leaves, self.cache, self.penalties, self._no_tokens, inputs.buffer,
-                                   inputs.layout, decode_only, 0)
+                                   inputs.layout, decode_only)

@@ -22,9 +22,11 @@ random-sampling work is skipped at run time, and so is the filtering when no row
 or min-p. A sampled token is drawn by inverse CDF with one uniform number per row (`inverse_cdf`:
 a Gumbel draw per vocabulary entry costs ~35 ms a step on `[64, 49152]` on CPU); top-k / top-p /
 min-p keep every token at least as probable as a per-row threshold (`keep_threshold`), found by
-bisection, never by sorting the vocabulary. Logprobs are of the model's raw distribution (before any processing, temperature and
-filtering), as vLLM reports by default; the sampled tokens' logprobs (a pass of `exp` over every
-row's vocabulary) are computed only when a row asks for them (`want_logprob`), otherwise they are 0.
+bisection, never by sorting the vocabulary. Logprobs are of the model's raw distribution (before any
+processing, temperature and filtering), as vLLM reports by default; the sampled tokens' logprobs (a pass of `exp` over every
+row's vocabulary) are computed only when a row asks for them (`want_logprob`), otherwise they are 0;
+likewise the MAX_LOGPROBS most probable ids and their logprobs (`want_top`; a request takes the first
+`logprobs` of them), so one compiled step serves requests with and without top logprobs.
 
 The argmax is taken in two stages (`first_argmax`): the maximum of each chunk of the vocabulary,
 then the first index of the maximum within the first chunk that holds it. Same result as
@@ -39,6 +41,8 @@ from dataclasses import dataclass, replace
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from llmjax.sampling_params import MAX_LOGPROBS
 
 
 @jax.tree_util.register_dataclass
@@ -62,13 +66,14 @@ class SamplingInput:
     frequency_penalty: jax.Array  # f32
     repetition_penalty: jax.Array  # f32; 1 = off
     want_logprob: jax.Array  # bool: the row's request asked for logprobs (its sampled token's logprob is returned)
+    want_top: jax.Array  # bool: the row's request asked for top logprobs (`logprobs` >= 1)
 
 
 SAMPLING_DTYPES = dict(temperature=np.float32, top_k=np.int32, top_p=np.float32, min_p=np.float32,
                        seed_hi=np.uint32, seed_lo=np.uint32, sample_index=np.int32, output_index=np.int32,
                        penalty_row=np.int32, processed=np.bool_, keep=np.bool_, in_min_tokens=np.bool_,
                        presence_penalty=np.float32, frequency_penalty=np.float32, repetition_penalty=np.float32,
-                       want_logprob=np.bool_)  # each `SamplingInput` field's dtype on the host
+                       want_logprob=np.bool_, want_top=np.bool_)  # each `SamplingInput` field's dtype on the host
 
 
 @jax.tree_util.register_dataclass
@@ -205,9 +210,25 @@ def _random_sample(logits: jax.Array, s: SamplingInput) -> jax.Array:
     return jnp.where(s.temperature > 0, inverse_cdf(probs, u), first_argmax(logits))
 
 
-def sample(logits: jax.Array, s: SamplingInput, state: PenaltyState, num_top_logprobs: int = 0):
-    """logits `[S, V]` float32 -> ((tokens `[S]`, logprob of each token `[S]`, top ids
-    `[S, num_top_logprobs]`, top logprobs `[S, num_top_logprobs]`), the updated `state`)."""
+def top_logprobs(logits: jax.Array, none: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The MAX_LOGPROBS largest log-softmax values of each row of `logits` `[S, V]`, largest first, and
+    their ids: `[S, MAX_LOGPROBS]` each; past the vocabulary (V < MAX_LOGPROBS), and everywhere with
+    `none`, -inf and id 0."""
+    rows, vocab = logits.shape
+    k = 0 if none else min(MAX_LOGPROBS, vocab)
+    if k:  # the largest logits are the largest log-softmax values (a pass less than top_k of log_softmax)
+        top, ids = jax.lax.top_k(logits, k)
+        lp = top - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    else:
+        lp, ids = jnp.zeros((rows, 0), jnp.float32), jnp.zeros((rows, 0), jnp.int32)
+    pad = ((0, 0), (0, MAX_LOGPROBS - k))
+    return jnp.pad(lp, pad, constant_values=-jnp.inf), jnp.pad(ids, pad)
+
+
+def sample(logits: jax.Array, s: SamplingInput, state: PenaltyState):
+    """logits `[S, V]` float32 -> ((tokens `[S]`, logprob of each token `[S]`, top ids `[S, MAX_LOGPROBS]`,
+    top logprobs `[S, MAX_LOGPROBS]`), the updated `state`). The logprobs are 0 and the top ids and
+    logprobs 0 and -inf unless a row asks for them (`want_logprob`, `want_top`)."""
     def choose(scores: jax.Array) -> jax.Array:
         return jax.lax.cond(jnp.all(s.temperature == 0), lambda: first_argmax(scores),
                             lambda: _random_sample(scores, s))
@@ -218,9 +239,6 @@ def sample(logits: jax.Array, s: SamplingInput, state: PenaltyState, num_top_log
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     token_logprobs = jax.lax.cond(jnp.any(s.want_logprob), lambda: chosen - jax.nn.logsumexp(logits, axis=-1),
                                   lambda: jnp.zeros_like(chosen))
-    if num_top_logprobs:
-        top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), num_top_logprobs)
-    else:
-        top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
-        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    top_lp, top_ids = jax.lax.cond(jnp.any(s.want_top), lambda: top_logprobs(logits),
+                                   lambda: top_logprobs(logits, none=True))
     return (tokens, token_logprobs, top_ids, top_lp), count_tokens(state, tokens, s)

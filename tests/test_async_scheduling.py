@@ -137,14 +137,14 @@ def test_one_transfer_per_step_brings_tokens_and_logprobs(monkeypatch, async_sch
     reads, fetches = [], []
     run, fetch = runner.run, runner.fetch
 
-    def counted_run(inputs, decode_only, num_top_logprobs=0, prev_tokens=None):
+    def counted_run(inputs, decode_only, prev_tokens=None):
         if isinstance(prev_tokens, CountedReads):
             prev_tokens = prev_tokens.array  # the next step reads them on the device
-        tokens, packed = run(inputs, decode_only, num_top_logprobs, prev_tokens)
+        tokens, packed = run(inputs, decode_only, prev_tokens)
         return CountedReads(tokens, reads), CountedReads(packed, reads)
 
     def counted_fetch(inflight):
-        fetches.append(inflight.num_top)
+        fetches.append(inflight.num_requests)
         return fetch(inflight)
 
     monkeypatch.setattr(runner, "run", counted_run)
@@ -155,9 +155,8 @@ def test_one_transfer_per_step_brings_tokens_and_logprobs(monkeypatch, async_sch
     out = drain(engine, ids)[0]
     assert engine.num_steps > 6  # prefill chunks, then decodes
     assert len(fetches) == len(reads) == engine.num_steps, (engine.num_steps, fetches, reads)
-    width = {shape[1] for shape in reads}
-    assert all(len(shape) == 2 for shape in reads), reads  # the packed [S, 2 + 2k] results, never the [S] tokens
-    assert width <= {2, 2 + 2 * MAX_LOGPROBS} and 2 + 2 * MAX_LOGPROBS in width, reads  # top logprobs came along
+    # the packed [S, 2 + 2 * MAX_LOGPROBS] results (top logprobs along), never the [S] tokens
+    assert all(len(shape) == 2 and shape[1] == 2 + 2 * MAX_LOGPROBS for shape in reads), reads
     lps = out.outputs[0].logprobs
     assert len(lps) == 4 and all(len(entry) == 3 for entry in lps)
     for token, entry in zip(out.outputs[0].token_ids, lps):

@@ -2,6 +2,7 @@
 seeds, greedy rows, and validation of SamplingParams."""
 
 import math
+from dataclasses import replace
 
 import jax
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 
 from llmjax import sampler
 from llmjax.sampler import CHUNK, PenaltyState, SamplingInput, count_tokens, first_argmax, process_logits, sample
-from llmjax.sampling_params import SamplingParams, SamplingParamsError
+from llmjax.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 PROBS = np.array([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
 N = 6000
@@ -22,7 +23,7 @@ def sampling_input(n: int, **fields) -> SamplingInput:
         seed_hi=(0, np.uint32), seed_lo=(0, np.uint32), sample_index=(0, np.int32), output_index=(0, np.int32),
         penalty_row=(0, np.int32), processed=(False, bool), keep=(True, bool), in_min_tokens=(False, bool),
         presence_penalty=(0.0, np.float32), frequency_penalty=(0.0, np.float32), repetition_penalty=(1.0, np.float32),
-        want_logprob=(True, bool),
+        want_logprob=(True, bool), want_top=(False, bool),
     )
     arrays = {name: np.broadcast_to(np.asarray(fields.get(name, value), dtype), (n,)).copy()
               for name, (value, dtype) in defaults.items()}
@@ -199,12 +200,13 @@ def numpy_log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
-@pytest.mark.parametrize("k", [5, 20])
-def test_top_logprobs_are_the_top_k_of_the_raw_log_softmax(k):
-    """`num_top_logprobs=k`: per row the k most probable ids of the raw logits, most probable first,
-    with their log-softmax values, and the sampled token's logprob; for greedy and sampled rows, on a
-    vocabulary spanning several chunks, and on a processed row (its logit bias changes the draw,
-    never the reported logprobs)."""
+def test_top_logprobs_are_the_top_k_of_the_raw_log_softmax():
+    """A step in which a row wants top logprobs: per row the MAX_LOGPROBS most probable ids of the raw
+    logits, most probable first, with their log-softmax values, and the sampled token's logprob; for
+    greedy and sampled rows, on a vocabulary spanning several chunks, and on a processed row (its
+    logit bias changes the draw, never the reported logprobs). A step in which no row wants them
+    returns -inf and id 0; so does a vocabulary smaller than MAX_LOGPROBS past its end."""
+    k = MAX_LOGPROBS
     rng = np.random.default_rng(k)
     rows, vocab = 6, 3 * CHUNK + 17
     logits = rng.normal(0, 3, (rows, vocab)).astype(np.float32)
@@ -214,8 +216,9 @@ def test_top_logprobs_are_the_top_k_of_the_raw_log_softmax(k):
     bias[5, np.argsort(-logits[5])[k + 3]] = 100.0  # row 5 samples a token outside its top k
     state = PenaltyState(state.output_counts, state.prompt_mask, bias, state.min_tokens_mask)
     s = sampling_input(rows, temperature=[0.0, 1.0, 0.7, 0.0, 1.3, 0.0], top_k=[0, 0, 5, 0, 0, 0],
-                       seed_lo=np.arange(rows), penalty_row=np.arange(rows), processed=[False] * 5 + [True])
-    (tokens, token_lp, top_ids, top_lp), _ = jax.jit(sample, static_argnums=3)(logits, s, state, k)
+                       seed_lo=np.arange(rows), penalty_row=np.arange(rows), processed=[False] * 5 + [True],
+                       want_top=[False, True, False, False, False, False])
+    (tokens, token_lp, top_ids, top_lp), _ = jax.jit(sample)(logits, s, state)
     tokens, token_lp, top_ids, top_lp = map(np.asarray, (tokens, token_lp, top_ids, top_lp))
     ref = numpy_log_softmax(logits)
     order = np.argsort(-ref, axis=-1, kind="stable")[:, :k]
@@ -225,6 +228,16 @@ def test_top_logprobs_are_the_top_k_of_the_raw_log_softmax(k):
     np.testing.assert_allclose(token_lp, ref[np.arange(rows), tokens], rtol=1e-5, atol=1e-5)
     assert tokens[5] == np.argsort(-logits[5])[k + 3]  # the bias decided the draw, not the reported logprobs
     np.testing.assert_array_equal(tokens[[0, 3]], logits[[0, 3]].argmax(-1))
+
+    (same_tokens, _, top_ids, top_lp), _ = jax.jit(sample)(logits, replace(s, want_top=np.zeros(rows, bool)), state)
+    np.testing.assert_array_equal(np.asarray(same_tokens), tokens)
+    assert (np.asarray(top_lp) == -np.inf).all() and (np.asarray(top_ids) == 0).all()
+
+    small = logits[:, :7]  # fewer ids than MAX_LOGPROBS: the rest of each row is padding
+    (_, _, top_ids, top_lp), _ = jax.jit(sample)(small, s, empty_state(rows + 1, 7))
+    order = np.argsort(-numpy_log_softmax(small), axis=-1, kind="stable")
+    np.testing.assert_array_equal(np.asarray(top_ids)[:, :7], order)
+    assert (np.asarray(top_lp)[:, 7:] == -np.inf).all() and (np.asarray(top_ids)[:, 7:] == 0).all()
 
 
 def test_same_seed_same_draws_other_seed_differs():
