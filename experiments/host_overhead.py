@@ -200,9 +200,9 @@ def cache_effect(n: int, output_kind: str, steps: int, context: int) -> dict:
         t2 = time.thread_time()
         last[1].block_until_ready()
         t3 = time.thread_time()
-        runner.fetch(InFlight(len(out.requests), step_args[2], *last))
+        runner.fetch(InFlight(len(out.requests), *last))
         t4 = time.thread_time()
-        runner.fetch(InFlight(len(out.requests), step_args[2], *first))  # done long ago; right after a fetch
+        runner.fetch(InFlight(len(out.requests), *first))  # done long ago; right after a fetch
         t5 = time.thread_time()
         for key, dt in zip(timings, (t1 - t0, (t2 - t1) / 2, t4 - t3, t5 - t4)):
             timings[key].append(dt)

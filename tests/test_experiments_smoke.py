@@ -1,4 +1,4 @@
-"""Smoke tests of the ablation experiments' shared helpers, on the simulator only (no compilation; < 5 s)."""
+"""Smoke tests of the ablation experiments' shared helpers, most on the simulator (no compilation)."""
 
 import sys
 from pathlib import Path
@@ -193,3 +193,18 @@ def test_kv_bookkeeping_serves_every_request_and_plots(tmp_path):
     assert all(len(times) == args.decode_steps for times in steps.values())
     kv_bookkeeping.plot(cost, {"grow": steps[False], "grow_each": steps[True]}, args.num_running, tmp_path / "kv.png")
     assert (tmp_path / "kv.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("output_kind", ["delta", "final"])
+def test_host_overhead_phases_and_cache_effect_run_on_a_tiny_engine(output_kind):
+    """host_overhead.py's two measurements on 8 decodes: every phase of both modes is timed (the
+    engines keep all 8 requests decoding), and the cache-effect pass applies, dispatches and fetches
+    the runner's steps as the engine does."""
+    import host_overhead
+
+    result = host_overhead.measure(8, output_kind, blocks=2, steps=2)
+    for mode in ("sync", "async"):
+        assert all(result[mode][phase] >= 0 for phase in host_overhead.PHASES) and result[mode]["wall"] > 0
+    assert len(result["hidden_pairs"]) == 2
+    effect = host_overhead.cache_effect(8, output_kind, steps=2, context=32)
+    assert effect["hot_total"] > 0 and effect["streamed_total"] > 0 and effect["fetch_hot"] > 0
