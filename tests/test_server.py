@@ -336,7 +336,17 @@ def test_metrics_names(client):
         assert f"llmjax:{name}" in m, name
     assert m["llmjax:e2e_request_latency_seconds_count"] > 0 and m["llmjax:prompt_tokens_total"] > 0
     [(labels, value)] = _samples(client, "llmjax:cache_config_info").items()
-    assert value == 1 and labels[0] == "8"  # block_size (tiny_engine's), the first label by name
+    assert value == 1 and labels[:2] == ("8", "float32")  # block_size (tiny_engine's), cache_dtype: first by name
+
+
+def test_cache_config_names_the_cache_values_dtype_not_its_storage():
+    """A bfloat16 cache on CPU is stored as uint16 bits; the metric names the values' dtype, as vLLM's does."""
+    from llmjax.serve.api import OpenAIServer
+
+    server = OpenAIServer(tiny_engine(dtype="bfloat16"), MODEL)
+    samples = {s.labels["cache_dtype"] for family in text_string_to_metric_families(server.metrics.render().decode())
+               for s in family.samples if s.name == "llmjax:cache_config_info"}
+    assert samples == {"bfloat16"}
 
 
 def test_engine_gauges_and_counters_come_from_the_latest_stats_snapshot():
@@ -534,6 +544,8 @@ def test_non_finite_numbers_are_refused(client, raw):
 CHAT_STRICT_ERRORS = [
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # the chat field, not the engine's `logprobs`
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ({"logprobs": "yes"}, "logprobs"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),

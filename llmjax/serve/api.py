@@ -41,6 +41,7 @@ from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
+from llmjax.attention.cache_dtype import value_dtype
 from llmjax.config import ConfigError
 from llmjax.engine import LLMEngine, RequestError
 from llmjax.outputs import OutputAccumulator, RequestFailedError, RequestOutput
@@ -107,7 +108,7 @@ class OpenAIServer:
         check_kv_capacity(engine)
         self.async_engine = AsyncEngine(engine)
         cache_config = {"block_size": str(engine.config.block_size), "num_blocks": str(engine.num_blocks),
-                        "cache_dtype": str(jax.tree.leaves(engine.runner.cache)[0].dtype),
+                        "cache_dtype": str(value_dtype(jax.tree.leaves(engine.runner.cache)[0].dtype)),
                         "enable_prefix_caching": str(engine.config.enable_prefix_caching)}
         self.metrics = ServerMetrics(lambda: self.async_engine.stats, model_name, engine.config.max_model_len,
                                      cache_config)

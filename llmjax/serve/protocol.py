@@ -191,14 +191,16 @@ class ChatCompletionRequest(_SamplingRequest):
             raise SamplingParamsError("top_logprobs", "top_logprobs needs logprobs: true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         if self.max_completion_tokens is None:
-            return self._sampling_params(self.max_tokens, logprobs)
+            max_tokens, sent = self.max_tokens, {"logprobs": "top_logprobs"}
+        else:
+            max_tokens, sent = self.max_completion_tokens, {"logprobs": "top_logprobs",
+                                                            "max_tokens": "max_completion_tokens"}
         try:
-            return self._sampling_params(self.max_completion_tokens, logprobs)
+            return self._sampling_params(max_tokens, logprobs)
         except SamplingParamsError as exc:  # report the field the client sent
-            if exc.param != "max_tokens":
+            if exc.param not in sent:
                 raise
-            raise SamplingParamsError("max_completion_tokens",
-                                      str(exc).replace("max_tokens", "max_completion_tokens")) from exc
+            raise SamplingParamsError(sent[exc.param], str(exc).replace(exc.param, sent[exc.param])) from exc
 
 
 class TokenizeRequest(StrictRequest):
