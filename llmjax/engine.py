@@ -240,7 +240,7 @@ class LLMEngine:
             params = dataclasses.replace(params, max_tokens=self.config.max_model_len - len(ids))
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63))
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        children = [Request(child_id, ids, params, seed, namespace, text, sample_index=i, parent_id=request_id,
+        children = [Request(child_id, ids, params, seed, namespace, text, sample_index=i,
                             key=next(self._keys), arrival_time=arrival) for i, child_id in enumerate(child_ids)]
         states = [_SequenceState(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
                   for _ in children]

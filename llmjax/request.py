@@ -43,9 +43,8 @@ class Request:
     it was first admitted (a re-admission after preemption finds its own blocks: no hit).
     `row`: its batch row while running (-1 otherwise).
     `namespace` is the prefix-cache tenant (None: the shared default). `seed` may be any 64-bit
-    integer (the sampler folds it into the PRNG key as two 32-bit words). `parent_id`: the id of
-    the request it is one sample of (the engine's `n` > 1), None for its own; `owner`: the engine's
-    record of that request (opaque to the scheduler). `key`: its name in the
+    integer (the sampler folds it into the PRNG key as two 32-bit words). `owner`: the engine's
+    record of the request it is one sample of (opaque to the scheduler). `key`: its name in the
     KV manager, unique among live requests (default: `request_id`; the engine numbers its samples,
     as the ids callers give may clash with a sample's `<id>#<i>`).
     Compared and hashed by identity.
@@ -58,7 +57,6 @@ class Request:
     namespace: Hashable | None = None
     prompt: str | None = None
     sample_index: int = 0  # which of its parent request's n samples this is
-    parent_id: str | None = None
     owner: Any = None
     key: Hashable = None
     arrival_time: float = field(default_factory=time.monotonic)

@@ -411,10 +411,6 @@ class ModelRunner:
         return StepResult(packed[:, 0], packed[:, 1].view(np.float32), packed[:, 2 : 2 + k],
                           packed[:, 2 + k :].view(np.float32))
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """`dispatch` then `fetch`: one synchronous step."""
-        return self.fetch(self.dispatch(out))
-
     def warmup(self, shapes: list[Shape]) -> None:
         """Compile the step for each (T, S, B, decode_only) bucket ahead of serving, with a progress bar.
 

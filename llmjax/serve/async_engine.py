@@ -62,8 +62,6 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0  # blocks held by requests / usable blocks
-    kv_blocks_used: int = 0
-    kv_blocks_cached: int = 0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_preemptions: int = 0
@@ -257,7 +255,7 @@ class AsyncEngine:
         usage, prefix = engine.kv.usage(), engine.kv.stats()
         self.stats = EngineStats(
             num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
-            kv_usage=usage.usage, kv_blocks_used=usage.used, kv_blocks_cached=usage.cached,
+            kv_usage=usage.usage,
             prefix_queried_tokens=prefix.queried_tokens, prefix_hit_tokens=prefix.hit_tokens,
             num_preemptions=engine.scheduler.num_preemptions, prompt_tokens=engine.num_prompt_tokens,
             generation_tokens=engine.num_generation_tokens, num_engine_errors=self.num_engine_errors,

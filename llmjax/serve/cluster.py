@@ -96,7 +96,7 @@ class Supervisor:
         elif now >= replica.restart_at:
             replica.restarts += 1
             replica.start()
-            print(f"replica {replica.url} restarted (pid {replica.proc.pid})", file=sys.stderr, flush=True)
+            print(f"replica {replica.url} restarted (pid {replica.proc.pid}, restart {replica.restarts})", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         """Stop supervising; SIGTERM every replica, SIGKILL those alive after STOP_TIMEOUT_S; join all."""
