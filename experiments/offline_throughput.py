@@ -10,11 +10,13 @@ Systems, each timed after a warm-up (no compilation in the timed pass; the count
      (arrival order, or sorted by prompt length: HF's best practice against padding), torch threads
      set to the cores, each configuration warmed up by a short generation of one of its batches;
      the best configuration is HF's baseline;
-  3. llama.cpp through llama-cpp-python on the shipped GGUF, one request at a time (its Python API
-     decodes one sequence), when the package is installed.
-llmjax's configurations run `--repeats` times; HF's grid is screened with one pass per configuration,
-then the fastest configuration of each dtype runs `--repeats` times in all (`--no-hf-screen`: every
-configuration `--repeats` times). The table gives the median and the range of output tokens/s. Then
+  3. llama.cpp through llama-cpp-python's C API, when the package is installed: continuously batched (as
+     llama-server's parallel slots), swept over `--llama-cpp` configurations, weights x sequences decoded
+     together: the shipped GGUF's own Q4_1 weights, or those converted to bfloat16 by llama.cpp's
+     quantize tool (the values llmjax and HF compute with); the best is llama.cpp's baseline.
+llmjax's configurations run `--repeats` times; HF's grid and llama.cpp's are screened with one pass per
+configuration, then the fastest configuration of each HF dtype and of llama.cpp runs `--repeats` times in
+all (`--no-screen`: every configuration `--repeats` times). The table gives the median and the range of output tokens/s. Then
 llmjax's best and HF's best run `--pairs` more times each, alternately (ABBA order, so a drift in the
 machine's speed during the run weighs on both alike); the headline ratio is the median of the pairs'
 ratios, each pair timed within a minute or two, not the ratio of two medians taken far apart. The roofline: each dtype's matmul peak measured on the model's own matmul shapes (best of
@@ -29,7 +31,8 @@ orders, screened): pick a subset with the flags, watch the progress bar's ETA.
 
     python experiments/offline_throughput.py [--workload default|equal] [--num-requests N]
         [--hf-dtypes float32,bfloat16] [--hf-batch-sizes 8,16,32,64,128] [--hf-orders arrival,sorted]
-        [--repeats 3] [--pairs 3] [--systems llmjax-default,llmjax-best,hf,llama.cpp] [--out-name NAME]
+        [--llama-cpp q4_1:64,bf16:16,bf16:64,bf16:128] [--repeats 3] [--pairs 3] [--systems llmjax-default,llmjax-best,hf,llama.cpp]
+        [--out-name NAME]
 """
 
 from __future__ import annotations
@@ -260,28 +263,109 @@ class HFModels:
         return [tokens[i] for i in range(len(prompts))]
 
 
-class LlamaCpp:
-    """llama.cpp (llama-cpp-python) on the shipped GGUF, greedy, one request at a time."""
+_llama_cpp_quiet = None  # llama.cpp's log callback (see LlamaCpp)
 
-    def __init__(self, max_len: int):
-        from llama_cpp import Llama
+
+class LlamaCpp:
+    """llama.cpp (llama-cpp-python's C API) on SmolLM2, greedy, continuously batched as llama-server's
+    slots are: up to `seqs` sequences each decode one token in a step's single `llama_decode`, and a
+    free slot takes the next prompt, whose tokens fill the rest of the step's `budget` tokens (chunked
+    prefill). Each sequence has its own `max_len` KV cells (llama.cpp's advice when sequences share no
+    prefix). `weights`: "q4_1", the shipped GGUF as it is; "bf16", its weights dequantized to bfloat16
+    by llama.cpp's quantize tool (the values llmjax and HF compute with), written once under build/."""
+
+    WEIGHTS = ("q4_1", "bf16")
+
+    def __init__(self, seqs: int, max_len: int, weights: str = "q4_1", budget: int = 512):
+        import llama_cpp as lc
+
+        global _llama_cpp_quiet
+        if _llama_cpp_quiet is None:  # its log lines would bury the progress bar; kept alive for llama.cpp to call
+            _llama_cpp_quiet = lc.llama_log_callback(lambda level, text, user_data: None)
+            lc.llama_log_set(_llama_cpp_quiet, None)
+        lc.llama_backend_init()
+        self.lc, self.seqs, self.budget = lc, seqs, budget
+        self.model = lc.llama_model_load_from_file(str(self.weights_file(weights)).encode(),
+                                                   lc.llama_model_default_params())
+        params = lc.llama_context_default_params()
+        params.n_ctx, params.n_seq_max, params.kv_unified = seqs * max_len, seqs, False
+        params.n_batch = params.n_ubatch = budget
+        params.n_threads = params.n_threads_batch = os.cpu_count()
+        self.ctx = lc.llama_init_from_model(self.model, params)
+        if not self.model or not self.ctx:
+            raise RuntimeError("llama.cpp could not load the model or make its context")
+        self.memory = lc.llama_get_memory(self.ctx)
+        self.batch = lc.llama_batch_init(budget, 0, 1)
+        self.vocab_size = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+
+    @staticmethod
+    def weights_file(weights: str) -> Path:
+        import llama_cpp as lc
 
         from llmjax.models.loader import embedded_model_path
 
-        self.llm = Llama(model_path=str(embedded_model_path()), n_ctx=max_len, n_batch=512,
-                         n_threads=os.cpu_count(), verbose=False)
+        shipped = embedded_model_path()
+        if weights == "q4_1":
+            return shipped
+        path = ROOT / "build" / "llama_cpp" / f"{shipped.stem}.{weights}.gguf"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            params = lc.llama_model_quantize_default_params()
+            params.ftype, params.allow_requantize = lc.LLAMA_FTYPE_MOSTLY_BF16, True
+            tmp = path.with_suffix(".tmp")
+            if lc.llama_model_quantize(str(shipped).encode(), str(tmp).encode(), params) != 0:
+                raise RuntimeError(f"llama.cpp could not write {weights} weights")
+            tmp.rename(path)
+        return path
 
-    def generate(self, prompts, outputs) -> list[list[int]]:
-        results = []
-        for prompt, n in zip(prompts, outputs):
-            self.llm.reset()
-            tokens = []
-            for token in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
-                tokens.append(int(token))
-                if len(tokens) == n:
-                    break
-            results.append(tokens)
+    def generate(self, prompts: list[list[int]], outputs: list[int]) -> list[list[int]]:
+        lc, batch, ctx = self.lc, self.batch, self.ctx
+        results: list[list[int]] = [[] for _ in prompts]
+        waiting = list(range(len(prompts)))[::-1]
+        free = list(range(self.seqs))[::-1]
+        running: dict[int, list[int]] = {}  # slot -> [request, tokens in its KV cache]
+        while waiting or running:
+            while waiting and free:
+                running[free.pop()] = [waiting.pop(), 0]
+            rows: list[tuple[int, int]] = []  # (batch row, slot) of the rows whose logits give a token
+            n = 0
+
+            def put(token: int, slot: int, pos: int, logits: bool) -> None:
+                nonlocal n
+                batch.token[n], batch.pos[n], batch.n_seq_id[n] = token, pos, 1
+                batch.seq_id[n][0], batch.logits[n] = slot, logits
+                if logits:
+                    rows.append((n, slot))
+                n += 1
+
+            for slot, state in running.items():  # decodes first: one token each
+                i, fed = state
+                if fed == len(prompts[i]):
+                    put(results[i][-1], slot, fed + len(results[i]) - 1, True)
+            for slot, state in running.items():  # then prompt chunks, in the budget left
+                i, fed = state
+                prompt = prompts[i]
+                take = min(len(prompt) - fed, self.budget - n)
+                for j in range(fed, fed + take):
+                    put(prompt[j], slot, j, j == len(prompt) - 1)
+                state[1] = fed + take
+            batch.n_tokens = n
+            if lc.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            for row, slot in rows:
+                i = running[slot][0]
+                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, row), shape=(self.vocab_size,))
+                results[i].append(int(logits.argmax()))
+                if len(results[i]) == outputs[i]:
+                    lc.llama_memory_seq_rm(self.memory, slot, -1, -1)
+                    del running[slot]
+                    free.append(slot)
         return results
+
+    def close(self) -> None:
+        self.lc.llama_batch_free(self.batch)
+        self.lc.llama_free(self.ctx)
+        self.lc.llama_model_free(self.model)
 
 
 # --- the run ------------------------------------------------------------------------------------------
@@ -293,12 +377,16 @@ def main() -> None:
     parser.add_argument("--hf-dtypes", default="float32,bfloat16")
     parser.add_argument("--hf-batch-sizes", default="8,16,32,64,128")
     parser.add_argument("--hf-orders", default="arrival,sorted", help="arrival and/or sorted (by prompt length)")
+    parser.add_argument("--llama-cpp", default="q4_1:64,bf16:16,bf16:64,bf16:128",
+                        help="llama.cpp's configurations, WEIGHTS:SEQUENCES (weights q4_1: the GGUF's own; bf16)")
     parser.add_argument("--llmjax-best", default=DEFAULT_BEST, help="EngineConfig fields of llmjax's best setting")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=3,
-                        help="passes of llmjax's best and HF's best, alternately, for the paired ratio (0: none)")
-    parser.add_argument("--hf-screen", action=argparse.BooleanOptionalAction, default=True,
-                        help="one pass per HF configuration, then --repeats passes of each dtype's fastest")
+                        help="passes of llmjax's best and each peer's best (HF, llama.cpp), alternately, for the "
+                             "paired ratios (0: none)")
+    parser.add_argument("--screen", action=argparse.BooleanOptionalAction, default=True,
+                        help="one pass per HF and llama.cpp configuration, then --repeats passes of the fastest "
+                             "(HF: of each dtype)")
     parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="llmjax's KV pool in both settings")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-name", default=None, help="results/<name>.md|json (default: offline_throughput, "
@@ -319,11 +407,16 @@ def main() -> None:
             print("llama.cpp: llama-cpp-python is not installed; skipped")
             systems.remove("llama.cpp")
     plan = [(s, None) for s in systems if s.startswith("llmjax")] + [("hf", c) for c in hf_grid]
-    plan += [("llama.cpp", None)] if "llama.cpp" in systems else []
-    hf_passes = (len(hf_grid) + (args.repeats - 1) * len({d for d, _, _ in hf_grid})) if args.hf_screen \
-        else len(hf_grid) * args.repeats
-    pairs = args.pairs if hf_grid and any(s.startswith("llmjax") for s in systems) else 0
-    total_passes = (len(plan) - len(hf_grid)) * args.repeats + hf_passes + 2 * pairs
+    llama_cpp_grid = [(w, int(n)) for w, n in (c.split(":") for c in args.llama_cpp.split(","))] \
+        if "llama.cpp" in systems else []
+    if any(w not in LlamaCpp.WEIGHTS for w, _ in llama_cpp_grid):
+        parser.error(f"--llama-cpp: weights are one of {', '.join(LlamaCpp.WEIGHTS)}")
+    plan += [("llama.cpp", c) for c in llama_cpp_grid]
+    screened = [len(hf_grid), len({d for d, _, _ in hf_grid})], [len(llama_cpp_grid), min(1, len(llama_cpp_grid))]
+    hf_passes = sum(n + (args.repeats - 1) * best if args.screen else n * args.repeats for n, best in screened)
+    peers = [p for p, grid in (("hf", hf_grid), ("llama.cpp", llama_cpp_grid)) if grid]
+    pairs = args.pairs if any(s.startswith("llmjax") for s in systems) else 0
+    total_passes = (len(plan) - len(hf_grid) - len(llama_cpp_grid)) * args.repeats + hf_passes + 2 * pairs * len(peers)
     print(f"{n_req} requests, {total_out} output tokens; {len(plan)} configurations, {total_passes} timed passes")
 
     import jax
@@ -352,6 +445,18 @@ def main() -> None:
         if count:
             reference_tokens.setdefault(dtype, tokens)
 
+    def llama_cpp_passes(run, name, count):
+        engine = LlamaCpp(run["seqs"], max_len=1024, weights=run["dtype"])
+        bar.set_postfix_str(f"{name}: warm-up")
+        engine.generate(prompts[: run["seqs"]], [2] * len(prompts[: run["seqs"]]))
+        for _ in range(count):
+            bar.set_postfix_str(name)
+            t = time.perf_counter()
+            run["tokens"] = engine.generate(prompts, outputs)
+            run["times"].append(time.perf_counter() - t)
+            bar.update()
+        engine.close()
+
     for system, conf in plan:
         if system.startswith("llmjax"):
             run = LLMJaxRun(llmjax_settings[system])
@@ -374,24 +479,22 @@ def main() -> None:
             dtype, batch, order = conf
             name = f"hf {dtype} batch {batch} {order}"
             runs[name] = dict(times=[], dtype=dtype, batch=batch, order=order)
-            hf_passes_of(name, dtype, batch, order, 1 if args.hf_screen else args.repeats)
+            hf_passes_of(name, dtype, batch, order, 1 if args.screen else args.repeats)
         else:
-            engine = LlamaCpp(max_len=1024)
-            engine.generate(prompts[:2], [2, 2])  # warm-up
-            times = []
-            for _ in range(args.repeats):
-                bar.set_postfix_str("llama.cpp")
-                t = time.perf_counter()
-                tokens = engine.generate(prompts, outputs)
-                times.append(time.perf_counter() - t)
-                bar.update()
-            runs["llama.cpp"] = dict(times=times, tokens=tokens, dtype="gguf (Q4_1/Q8_0)")
-    if args.hf_screen:  # the fastest configuration of each dtype: the rest of its passes
+            weights, seqs = conf
+            name = f"llama.cpp {weights} {seqs} seqs"
+            runs[name] = dict(times=[], dtype=weights, seqs=seqs)
+            llama_cpp_passes(runs[name], name, 1 if args.screen else args.repeats)
+    if args.screen:  # the fastest configuration of each HF dtype and of llama.cpp: the rest of its passes
         for dtype in {d for d, _, _ in hf_grid}:
             name = min((k for k in runs if k.startswith(f"hf {dtype} ")), key=lambda k: runs[k]["times"][0])
             r = runs[name]
             hf_passes_of(name, dtype, r["batch"], r["order"], args.repeats - 1)
-    paired = paired_passes(runs, engines, hf_models, pairs, prompts, outputs, bar) if pairs else None
+        if llama_cpp_grid:
+            name = min((k for k in runs if k.startswith("llama.cpp")), key=lambda k: runs[k]["times"][0])
+            llama_cpp_passes(runs[name], name, args.repeats - 1)
+    paired = {peer: paired_passes(runs, engines, hf_models, pairs, prompts, outputs, bar, peer)
+              for peer in peers if pairs}
     engines.clear()
     bar.close()
 
@@ -416,38 +519,45 @@ def main() -> None:
     print(report)
 
 
-def paired_passes(runs, engines, hf_models, pairs, prompts, outputs, bar) -> dict:
-    """`pairs` passes each of llmjax's best and HF's best configuration (by median so far), alternately
-    in ABBA order; {"llmjax", "hf": the configurations, "llmjax_s", "hf_s": their seconds by pair,
-    "ratios": HF's seconds over llmjax's, pair by pair, "compiles": llmjax's compilations}."""
+def paired_passes(runs, engines, hf_models, pairs, prompts, outputs, bar, peer: str) -> dict:
+    """`pairs` passes each of llmjax's best and `peer`'s best configuration ("hf" or "llama.cpp", by
+    median so far), alternately in ABBA order; {"llmjax", "peer": the configurations, "llmjax_s",
+    "peer_s": their seconds by pair, "ratios": the peer's seconds over llmjax's, pair by pair,
+    "compiles": llmjax's compilations}."""
     def best_of(prefix):
         return min((k for k in runs if k.startswith(prefix)), key=lambda k: statistics.median(runs[k]["times"]))
 
-    ours, hf = best_of("llmjax"), best_of("hf ")
-    run, conf = engines[ours], runs[hf]
-    result = dict(llmjax=ours, hf=hf, llmjax_s=[], hf_s=[], compiles=0)
+    ours, theirs = best_of("llmjax"), best_of("hf " if peer == "hf" else peer)
+    run, conf = engines[ours], runs[theirs]
+    result = dict(llmjax=ours, peer=theirs, llmjax_s=[], peer_s=[], compiles=0)
+    llama_cpp = LlamaCpp(conf["seqs"], max_len=1024, weights=conf["dtype"]) if peer == "llama.cpp" else None
 
     def pass_of(system):
-        bar.set_postfix_str(f"paired: {system}")
+        bar.set_postfix_str(f"paired: {ours if system == 'llmjax' else theirs}")
         if system == "llmjax":
             seconds, _, compiles = run.timed(prompts, outputs)
             result["compiles"] += compiles
         else:
             t = time.perf_counter()
-            hf_models.generate(conf["dtype"], conf["batch"], conf["order"], prompts, outputs)
+            if llama_cpp:
+                llama_cpp.generate(prompts, outputs)
+            else:
+                hf_models.generate(conf["dtype"], conf["batch"], conf["order"], prompts, outputs)
             seconds = time.perf_counter() - t
         result[f"{system}_s"].append(seconds)
         bar.update()
 
     for i in range(pairs):
-        for system in (("llmjax", "hf") if i % 2 == 0 else ("hf", "llmjax")):
+        for system in (("llmjax", "peer") if i % 2 == 0 else ("peer", "llmjax")):
             pass_of(system)
-    result["ratios"] = [h / o for h, o in zip(result["hf_s"], result["llmjax_s"])]
+    if llama_cpp:
+        llama_cpp.close()
+    result["ratios"] = [p / o for p, o in zip(result["peer_s"], result["llmjax_s"])]
     result["ratio_median"] = statistics.median(result["ratios"])
     return result
 
 
-def summarize(args, runs, peaks, bandwidth, flops, total_out, n_req, hf_models, reference_tokens, paired=None):
+def summarize(args, runs, peaks, bandwidth, flops, total_out, n_req, hf_models, reference_tokens, paired):
     def med(r):
         return statistics.median(r["times"])
 
@@ -463,7 +573,7 @@ def summarize(args, runs, peaks, bandwidth, flops, total_out, n_req, hf_models, 
         return best_peak(r["dtype"], 512)[0]
 
     groups = {"llmjax": [k for k in runs if k.startswith("llmjax")], "hf": [k for k in runs if k.startswith("hf")],
-              "llama.cpp": [k for k in runs if k == "llama.cpp"]}
+              "llama.cpp": [k for k in runs if k.startswith("llama.cpp")]}
     best = {g: min(ks, key=lambda k: med(runs[k])) for g, ks in groups.items() if ks}
     peers = [g for g in ("hf", "llama.cpp") if g in best]
     head = "| system | dtype | passes | output tok/s (median, range) | " + " | ".join(f"vs {p}'s best" for p in peers)
@@ -482,7 +592,8 @@ def summarize(args, runs, peaks, bandwidth, flops, total_out, n_req, hf_models, 
     notes = [
         "",
         f"Workload `{args.workload}`: {n_req} requests, {total_out} output tokens, greedy, ignore_eos; SmolLM2-135M "
-        f"(embedded GGUF, dequantized). {args.repeats} timed passes per configuration after a warm-up.",
+        f"(embedded GGUF, dequantized). {args.repeats} timed passes per configuration after a warm-up "
+        f"(a screened configuration that was not its group's fastest: one; the passes column).",
         "The CPU is shared with other jobs: absolute numbers move with the load; compare ratios from one run.",
     ]
     if hf_models:
@@ -509,6 +620,15 @@ def summarize(args, runs, peaks, bandwidth, flops, total_out, n_req, hf_models, 
                          f"{100 * r['decode_step_flops'] * r['decode_step_s'] / floor / decode_peak:.0f}% of the peak "
                          f"with attention and the matmuls one after the other; the step took "
                          f"{r['decode_step_s'] / floor:.1f}x its floor.")
+    if "llama.cpp" in best:
+        lc = runs[best["llama.cpp"]]
+        ours = runs[best["llmjax"]]["tokens"] if "llmjax" in best else None
+        agree = (f"; its greedy outputs equal llmjax's best's for {sum(a == b for a, b in zip(lc['tokens'], ours))} of "
+                 f"{n_req} requests, their first tokens for {sum(a[:1] == b[:1] for a, b in zip(lc['tokens'], ours))} "
+                 f"(weights of other precisions; near-ties of random-token prompts)" if ours else "")
+        notes.append(f"llama.cpp (llama-cpp-python {_version('llama_cpp_python')}): {os.cpu_count()} threads, "
+                     f"a {LlamaCpp.__init__.__defaults__[-1]}-token batch a step; best with {lc['dtype']} weights and "
+                     f"{lc['seqs']} sequences decoded together{agree}.")
     notes.append(f"Memory bandwidth: {bandwidth / 1e9:.1f} GB/s (torch summing 1 GiB of float32 on all cores, best of 7).")
     notes.append("Matmul peaks on the model's shapes (FLOP-weighted mix of its projections and LM head, best of 7 "
                  "runs each; XLA's dot, llmjax's AMX kernel, torch; a precision's peak is the best of them): " + "; ".join(f"{k} rows {v / 1e9:.0f} GFLOP/s" for k, v in sorted(peaks.items())) + ".")
@@ -519,21 +639,27 @@ def summarize(args, runs, peaks, bandwidth, flops, total_out, n_req, hf_models, 
                      f"512 rows) this workload takes "
                      f"{flops / peak:.1f} s, so no engine on these matmuls can exceed {hf_s / (flops / peak):.1f}x "
                      f"HF's best here; llmjax's best reached {hf_s / med(ours):.2f}x.")
-    if paired:
-        r = paired["ratios"]
-        notes.append(f"Paired passes ({len(r)} pairs, ABBA order): {paired['llmjax']} against {paired['hf']}, "
-                     f"output tok/s {' / '.join(f'{total_out / s:.1f}' for s in paired['llmjax_s'])} against "
-                     f"{' / '.join(f'{total_out / s:.1f}' for s in paired['hf_s'])}; ratio by pair "
-                     f"{' / '.join(f'{x:.2f}' for x in r)}x, median **{paired['ratio_median']:.2f}x** "
-                     f"({paired['compiles']} compilations in llmjax's passes).")
+    for p in paired.values():
+        r = p["ratios"]
+        notes.append(f"Paired passes ({len(r)} pairs, ABBA order): {p['llmjax']} against {p['peer']}, "
+                     f"output tok/s {' / '.join(f'{total_out / s:.1f}' for s in p['llmjax_s'])} against "
+                     f"{' / '.join(f'{total_out / s:.1f}' for s in p['peer_s'])}; ratio by pair "
+                     f"{' / '.join(f'{x:.2f}' for x in r)}x, median **{p['ratio_median']:.2f}x** "
+                     f"({p['compiles']} compilations in llmjax's passes).")
     data = {
         "workload": args.workload, "num_requests": n_req, "output_tokens": total_out, "model_flops": flops,
         "repeats": args.repeats, "peaks_flops": peaks, "memory_bandwidth": bandwidth,
         "runs": {k: {kk: vv for kk, vv in r.items() if kk != "tokens"} for k, r in runs.items()},
-        "hf_screen": args.hf_screen,
+        "screen": args.screen,
         "best": best,
-        "paired": paired,
+        "paired": paired.get("hf"),  # read by results_table.py
+        "paired_llama_cpp": paired.get("llama.cpp"),
     }
+    if "llama.cpp" in best:
+        lc = runs[best["llama.cpp"]]
+        data["llama_cpp_best"] = dict(weights=lc["dtype"], seqs=lc["seqs"], seconds=med(lc))
+        if "llmjax" in best:
+            data["llama_cpp_best"]["llmjax_s"] = med(runs[best["llmjax"]])
     if "hf" in best and "llmjax" in best:  # the headline keys read by experiments/results_table.py
         ours = runs[best["llmjax"]]
         hf_by_batch = {}
@@ -552,6 +678,12 @@ def summarize(args, runs, peaks, bandwidth, flops, total_out, n_req, hf_models, 
                     ratio_ceiling=med(runs[best["hf"]]) / (flops / peak),
                     identical=sum(a == b for a, b in zip(ours["tokens"], ref)) if ref else None)
     return "\n".join(lines + notes) + "\n", data
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
 
 
 def plot(runs, total_out, path: Path) -> None:

@@ -74,6 +74,11 @@ def offline_throughput(d: dict, n: Numbers) -> str:
              f"the measured memory bandwidth before its matmuls at the peak" if "decode_floor_flops" in d else "")
     ratio = (f"{n(paired['ratio_median'], '.2f')}x (the median over pairs of passes timed back to back, "
              f"{n.span(paired['ratios'], '.2f')}x)" if paired else f"{n.ratio(hf[str(best['batch'])], d['llmjax_s'])}x")
+    lc, lc_paired = d.get("llama_cpp_best"), d.get("paired_llama_cpp")
+    lc_ratio = (f"{n(lc_paired['ratio_median'], '.2f')}x (paired, {n.span(lc_paired['ratios'], '.2f')}x)" if lc_paired
+                else f"{n.ratio(lc['seconds'], lc['llmjax_s'])}x" if lc else "")
+    llama_cpp = (f"; {lc_ratio} the output tokens/s of llama.cpp at its best ({lc['weights']} weights, "
+                 f"{n(lc['seqs'], 'd')} sequences batched)" if lc else "")
     return (f"SmolLM2 on this CPU, {d['workload']} workload ({n(d['num_requests'], 'd')} requests, "
             f"{n(d['output_tokens'], 'd')} output tokens): llmjax in {d['llmjax_dtype']} "
             f"{ratio} the output tokens/s of HF `generate` at its best "
@@ -81,7 +86,7 @@ def offline_throughput(d: dict, n: Numbers) -> str:
             f"{best['order']} order){same}; {n.ratio(d['achieved_flops'], d['peak_flops'], '.0%')} of the machine's "
             f"{d['llmjax_dtype']} matmul peak (its steady decode step "
             f"{n.ratio(d['decode_step_flops'], d['decode_peak_flops'], '.0%')}{floor}), where full use of it would allow at most "
-            f"{n(d['ratio_ceiling'], '.1f')}x over HF on this machine")
+            f"{n(d['ratio_ceiling'], '.1f')}x over HF on this machine{llama_cpp}")
 
 
 def memory_waste(d: dict, n: Numbers) -> str:
