@@ -413,10 +413,10 @@ def main() -> None:
         parser.error(f"--llama-cpp: weights are one of {', '.join(LlamaCpp.WEIGHTS)}")
     plan += [("llama.cpp", c) for c in llama_cpp_grid]
     screened = [len(hf_grid), len({d for d, _, _ in hf_grid})], [len(llama_cpp_grid), min(1, len(llama_cpp_grid))]
-    hf_passes = sum(n + (args.repeats - 1) * best if args.screen else n * args.repeats for n, best in screened)
+    screened_passes = sum(n + (args.repeats - 1) * best if args.screen else n * args.repeats for n, best in screened)
     peers = [p for p, grid in (("hf", hf_grid), ("llama.cpp", llama_cpp_grid)) if grid]
     pairs = args.pairs if any(s.startswith("llmjax") for s in systems) else 0
-    total_passes = (len(plan) - len(hf_grid) - len(llama_cpp_grid)) * args.repeats + hf_passes + 2 * pairs * len(peers)
+    total_passes = (len(plan) - len(hf_grid) - len(llama_cpp_grid)) * args.repeats + screened_passes + 2 * pairs * len(peers)
     print(f"{n_req} requests, {total_out} output tokens; {len(plan)} configurations, {total_passes} timed passes")
 
     import jax

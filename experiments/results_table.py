@@ -77,7 +77,8 @@ def offline_throughput(d: dict, n: Numbers) -> str:
     lc, lc_paired = d.get("llama_cpp_best"), d.get("paired_llama_cpp")
     lc_ratio = (f"{n(lc_paired['ratio_median'], '.2f')}x (paired, {n.span(lc_paired['ratios'], '.2f')}x)" if lc_paired
                 else f"{n.ratio(lc['seconds'], lc['llmjax_s'])}x" if lc else "")
-    llama_cpp = (f"; {lc_ratio} the output tokens/s of llama.cpp at its best ({lc['weights']} weights, "
+    weights = {"bf16": "bfloat16", "q4_1": "the GGUF's quantized"}.get(lc["weights"], "its") if lc else ""
+    llama_cpp = (f"; {lc_ratio} the output tokens/s of llama.cpp at its best ({weights} weights, "
                  f"{n(lc['seqs'], 'd')} sequences batched)" if lc else "")
     return (f"SmolLM2 on this CPU, {d['workload']} workload ({n(d['num_requests'], 'd')} requests, "
             f"{n(d['output_tokens'], 'd')} output tokens): llmjax in {d['llmjax_dtype']} "
@@ -293,6 +294,8 @@ ROWS: list[tuple[str, str, Formatter]] = [
      offline_throughput),
     ("[offline_throughput, equal prompts](results/offline_throughput_equal_epyc.md) (no AMX)",
      "results/offline_throughput_equal_epyc.json", offline_throughput),
+    ("[offline_throughput, with llama.cpp](results/offline_throughput_peers_epyc.md) (no AMX)",
+     "results/offline_throughput_peers_epyc.json", offline_throughput),
     ("[memory_waste](results/memory_waste.md) (PagedAttention Fig. 2, simulator)", "results/memory_waste.json",
      memory_waste),
     ("[radix_hit_rate](results/radix_hit_rate.md) (RadixAttention)", "results/radix_hit_rate.json", radix_hit_rate),
