@@ -296,6 +296,8 @@ ROWS: list[tuple[str, str, Formatter]] = [
      "results/offline_throughput_equal_epyc.json", offline_throughput),
     ("[offline_throughput, with llama.cpp](results/offline_throughput_peers_epyc.md) (no AMX)",
      "results/offline_throughput_peers_epyc.json", offline_throughput),
+    ("[offline_throughput, equal prompts, with llama.cpp](results/offline_throughput_equal_peers_epyc.md) (no AMX)",
+     "results/offline_throughput_equal_peers_epyc.json", offline_throughput),
     ("[memory_waste](results/memory_waste.md) (PagedAttention Fig. 2, simulator)", "results/memory_waste.json",
      memory_waste),
     ("[radix_hit_rate](results/radix_hit_rate.md) (RadixAttention)", "results/radix_hit_rate.json", radix_hit_rate),
