@@ -84,7 +84,8 @@ class CharTokenizer:
 
     Ids 0/1/2 are pad/bos/eos; every other id decodes to one printable character
     (`chr(32 + (id - 3) % 95)`), so any sampled id is visible text. Characters outside
-    printable ASCII encode as '?'.
+    printable ASCII encode as '?'. Its chat format writes each turn as `<role>content` or, for a
+    message with a `name`, `<role:name>content`, one a line.
     """
 
     OFFSET = 3
@@ -103,7 +104,7 @@ class CharTokenizer:
         return chr(32 + (token_id - self.OFFSET) % self.NUM_CHARS) if token_id >= self.OFFSET else ""
 
     def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        text = "".join(f"<{m['role']}{':' + m['name'] if 'name' in m else ''}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,

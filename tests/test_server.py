@@ -549,7 +549,8 @@ CHAT_STRICT_ERRORS = [
     ({"logprobs": "yes"}, "logprobs"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name"),
+    ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages.0.name"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),  # needs include_usage
     ({"messages": [{"role": "user"}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0.type"),  # only text parts
@@ -562,6 +563,60 @@ def test_chat_strict_values(client, fields, param):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **fields}
     _assert_error(client.post("/v1/chat/completions", json=body), 400, param)
     _good_request(client)
+
+
+def test_developer_role_and_names_reach_the_template(client):
+    """`developer` is OpenAI's newer `system`; a message's `name` reaches the chat template (the tiny
+    model's chat format writes `<role:name>`), as in vLLM."""
+    def ids(*messages):
+        r = client.post("/tokenize", json={"messages": list(messages)})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    user = {"role": "user", "content": "hi"}
+    assert ids({"role": "developer", "content": "be brief"}, user) == ids({"role": "system", "content": "be brief"},
+                                                                          user)
+    named, plain = ids({**user, "name": "bob"}), ids(user)
+    assert len(named) == len(plain) + len(":bob") and named != plain
+    body = {"model": MODEL, "messages": [{"role": "developer", "content": "x", "name": "ops"}, {**user, "name": "bob"}],
+            **GREEDY}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(
+        ids({"role": "system", "content": "x", "name": "ops"}, {**user, "name": "bob"})), r.text
+
+
+def test_null_max_tokens_is_no_limit_on_completions(client):
+    """As in vLLM: an explicit `null` lets a completion run to `max_model_len`; left out it is 16."""
+    prompt_tokens = complete(client, prompt="abc", max_tokens=1)["usage"]["prompt_tokens"]
+    unlimited = complete(client, prompt="abc", max_tokens=None, temperature=0, ignore_eos=True)
+    assert unlimited["choices"][0]["finish_reason"] == "length"
+    assert unlimited["usage"]["completion_tokens"] == MAX_MODEL_LEN - prompt_tokens
+    assert complete(client, prompt="abc", temperature=0, ignore_eos=True)["usage"]["completion_tokens"] == 16
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats(client, path):
+    """vLLM's `continuous_usage_stats`: each chunk of a choice carries the usage so far of that choice
+    (its prompt's tokens, the tokens it generated); counted here from the chunks' logprobs."""
+    prompt = {"prompt": "The quick"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "The quick"}]}
+    logprobs = {"logprobs": 0} if path == "/v1/completions" else {"logprobs": True}
+    events = stream(client, path, **prompt, **logprobs, n=2, temperature=1.0, seed=5, max_tokens=6,
+                    ignore_eos=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    final = events[-1]["usage"]
+    counted = {0: 0, 1: 0}
+    for e in events[:-1]:
+        [choice] = e["choices"]
+        if choice["logprobs"] is None:  # a chat role chunk
+            assert "role" in choice["delta"]
+            continue
+        entries = choice["logprobs"]["tokens"] if path == "/v1/completions" else choice["logprobs"]["content"]
+        counted[choice["index"]] += len(entries)
+        usage = e["usage"]
+        assert usage["completion_tokens"] == counted[choice["index"]]
+        assert usage["prompt_tokens"] == final["prompt_tokens"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert counted == {0: 6, 1: 6} and final["completion_tokens"] == 12
 
 
 @pytest.mark.parametrize("method,path,content,status", [

@@ -95,6 +95,14 @@ class _EventStream(StreamingResponse):
             self.stream.abort()
 
 
+def _choice_usage(output: RequestOutput, generated: int) -> p.Usage:
+    """The usage so far of one choice of `output`'s request: its prompt and the `generated` tokens of
+    that choice (vLLM's continuous usage stats)."""
+    usage = p.Usage()
+    usage.add(len(output.prompt_token_ids), generated, output.num_cached_tokens)
+    return usage
+
+
 def _raise_if_failed(output: RequestOutput) -> None:
     """A request the engine failed becomes a server error (500 JSON, or an SSE error event)."""
     if output.error is not None:
@@ -219,6 +227,7 @@ class OpenAIServer:
                                  params: SamplingParams, body: p.CompletionRequest, request_id: str, created: int):
         echoed: set[int] = set()  # choices whose prompt was sent
         offsets: dict[int, int] = {}  # per choice: the text offset after its tokens so far (logprobs)
+        generated: dict[int, int] = {}  # per choice: its tokens so far (continuous usage)
         finished = []
         async for out in stream:
             _raise_if_failed(out)
@@ -235,7 +244,12 @@ class OpenAIServer:
                     logprobs, offsets[i] = self._completion_logprobs(c.token_ids, c.logprobs, offsets.get(i, 0))
                 choice = p.CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
                                             stop_reason=c.stop_reason)
-                yield p.CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[choice])
+                usage = None
+                if body.continuous_usage:
+                    generated[i] = generated.get(i, 0) + len(c.token_ids)
+                    usage = _choice_usage(out, generated[i])
+                yield p.CompletionResponse(id=request_id, created=created, model=self.model_name, choices=[choice],
+                                           usage=usage)
             if out.finished:
                 finished.append(out)
         if body.include_usage:
@@ -270,9 +284,11 @@ class OpenAIServer:
 
     async def _chat_chunks(self, stream: OutputStream, params: SamplingParams, body: p.ChatCompletionRequest,
                            request_id: str, created: int):
-        def chunk(index: int, delta: p.DeltaMessage, **fields) -> p.ChatCompletionChunk:
+        generated = [0] * params.n  # per choice: its tokens so far (continuous usage)
+
+        def chunk(index: int, delta: p.DeltaMessage, usage: p.Usage | None = None, **fields) -> p.ChatCompletionChunk:
             return p.ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
-                                         choices=[p.ChatStreamChoice(index=index, delta=delta, **fields)])
+                                         choices=[p.ChatStreamChoice(index=index, delta=delta, **fields)], usage=usage)
 
         for i in range(params.n):
             yield chunk(i, p.DeltaMessage(role="assistant", content=""))
@@ -281,7 +297,11 @@ class OpenAIServer:
             for c in out.outputs:
                 if not (c.text or c.finished or (params.logprobs is not None and c.token_ids)):
                     continue
-                yield chunk(c.index, p.DeltaMessage(content=c.text or None),
+                usage = None
+                if body.continuous_usage:
+                    generated[c.index] += len(c.token_ids)
+                    usage = _choice_usage(out, generated[c.index])
+                yield chunk(c.index, p.DeltaMessage(content=c.text or None), usage,
                             logprobs=self._chat_logprobs(params, c.token_ids, c.logprobs or []),
                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             if out.finished and body.include_usage:

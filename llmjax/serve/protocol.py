@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
@@ -54,20 +54,27 @@ Text = Annotated[str, AfterValidator(_check_unicode)]
 class StrictRequest(BaseModel):
     """Unknown fields are refused; values are not coerced; floats are finite; strings are valid
     Unicode. A known field given as `null` takes its default (OpenAI's schema marks the optional
-    fields nullable; vLLM declares them `Optional`)."""
+    fields nullable; vLLM declares them `Optional`), except the fields in `NULL_IS_NONE`, for which
+    `null` means what vLLM makes of it: no value (e.g. no limit)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    NULL_IS_NONE: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
         if isinstance(data, dict) and None in data.values():
-            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in cls.model_fields or k in cls.NULL_IS_NONE}
         return data
 
 
 class StreamOptions(StrictRequest):
+    """`continuous_usage_stats` (vLLM's): every chunk also carries the usage so far of its choice
+    (its prompt's tokens and the tokens that choice generated); needs `include_usage`."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -102,10 +109,16 @@ class _SamplingRequest(StrictRequest):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises `SamplingParamsError` for a bad value."""
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options", "stream_options can only be given with stream: true")
+        if self.continuous_usage and not self.include_usage:
+            raise SamplingParamsError("stream_options", "stream_options.continuous_usage_stats needs include_usage")
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
@@ -120,6 +133,9 @@ class _SamplingRequest(StrictRequest):
 
 
 class CompletionRequest(_SamplingRequest):
+    """`max_tokens` defaults to 16 (OpenAI's default); `null` is no limit but `max_model_len` (as in vLLM)."""
+
+    NULL_IS_NONE = frozenset({"max_tokens"})
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
@@ -169,13 +185,21 @@ class TextPart(StrictRequest):
 
 
 class ChatMessage(StrictRequest):
-    role: Literal["system", "user", "assistant"]
+    """A conversation turn. `developer` is OpenAI's newer name for the `system` role: the chat template
+    sees `system`. `name` (the participant's name) reaches the chat template as the message's `name`,
+    as in vLLM; a template that has no use for it leaves it out (SmolLM2's does)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart]
+    name: Text | None = None
 
     def as_dict(self) -> dict[str, str]:
         """The message as the chat template sees it; text parts are joined by newlines (as vLLM does)."""
         content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": self.role, "content": content}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_SamplingRequest):
