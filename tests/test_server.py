@@ -630,6 +630,8 @@ def test_framework_errors_are_openai_errors(client, method, path, content, statu
     r = client.request(method, path, content=content, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    if status == 405:  # HTTP requires it
+        assert r.headers["allow"] == "POST"
     _good_request(client)
 
 

@@ -74,7 +74,9 @@ def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
     message = str(exc.detail)
     if exc.status_code == 400 and message == "There was an error parsing the body":
         message = "malformed request body: not UTF-8, not JSON, or nested too deeply"
-    return error_response(exc.status_code, message, code=exc.status_code)
+    response = error_response(exc.status_code, message, code=exc.status_code)
+    response.headers.update(exc.headers or {})  # e.g. a 405's `Allow`
+    return response
 
 
 class CatchInternalErrors:
