@@ -21,10 +21,12 @@ Greedy rows (temperature 0) take the argmax of the processed logits; when every 
 random-sampling work is skipped at run time, and so is the filtering when no row uses top-k, top-p
 or min-p. A sampled token is drawn by inverse CDF with one uniform number per row (`inverse_cdf`:
 a Gumbel draw per vocabulary entry costs ~35 ms a step on `[64, 49152]` on CPU); top-k / top-p /
-min-p keep every token at least as probable as a per-row threshold (`keep_threshold`), found by
-bisection, never by sorting the vocabulary. Logprobs are of the model's raw distribution (before any
-processing, temperature and filtering), as vLLM reports by default; the sampled tokens' logprobs (a pass of `exp` over every
-row's vocabulary) are computed only when a row asks for them (`want_logprob`), otherwise they are 0;
+min-p keep every token at least as probable as a per-row threshold (`keep_threshold`; top-p is
+measured on what top-k and min-p keep, renormalised, as in vLLM), found by bisection, never by
+sorting the vocabulary. Logprobs are of the model's raw distribution (before any processing,
+temperature and filtering), as vLLM reports by default; the sampled tokens' logprobs (a pass of
+`exp` over every row's vocabulary) are computed only when a row asks for them (`want_logprob`),
+otherwise they are 0;
 likewise the MAX_LOGPROBS most probable ids and their logprobs (`want_top`; a request takes the first
 `logprobs` of them), so one compiled step serves requests with and without top logprobs.
 
@@ -120,6 +122,11 @@ def _chunks(x: jax.Array, fill: float) -> jax.Array:
     return jnp.pad(x, ((0, 0), (0, n * CHUNK - vocab)), constant_values=fill).reshape(rows, n, CHUNK)
 
 
+def _row_sums(values: jax.Array) -> jax.Array:
+    """`values` `[S, V]` summed over each row, chunk by chunk (`_chunks`)."""
+    return _chunks(values, 0.0).sum(axis=-1).sum(axis=-1)
+
+
 def first_argmax(x: jax.Array) -> jax.Array:
     """`jnp.argmax(x, axis=-1)` of `[S, V]` (the first index of each row's maximum) as int32, in two
     stages: per chunk the maximum (a plain reduction XLA parallelises and vectorises), then the
@@ -133,18 +140,20 @@ def first_argmax(x: jax.Array) -> jax.Array:
 
 
 def keep_threshold(probs: jax.Array, s: SamplingInput) -> jax.Array:
-    """Per row of `probs` `[S, V]` (a distribution), the smallest probability that top-k, top-p and
-    min-p keep: in the order of decreasing probability a token is kept while its rank is below
-    top_k, the mass before it is below top_p and it is at least min_p times the largest (the first
-    token always); then every token at least as probable as the last kept one (ties) is kept.
+    """Per row of `probs` `[S, V]` (a distribution), the smallest probability that top-k, min-p and
+    top-p keep, in vLLM's order: top-k and min-p first (in the order of decreasing probability a
+    token is kept while its rank is below top_k and it is at least min_p times the largest), then
+    top-p on what they keep, renormalised (a token is kept while the renormalised mass before it is
+    below top_p); the first token always; then every token at least as probable as the last kept
+    one (ties).
 
     Without sorting (XLA:CPU sorts `[64, 49152]` float32 values in about 0.55 s, their int32 bit
     patterns in 0.12 s; this takes ~45 ms): probabilities are >= 0, so their int32 bit patterns
-    order like their values. A token of pattern b is kept by top-p iff the mass of tokens with a larger
-    pattern is below top_p, and by top-k iff fewer than top_k tokens have a larger pattern; both
-    are monotone in b, so each keeps the patterns from some B on, found exactly by bisection (one
-    pass over the vocabulary a step, skipped when no row of the step uses that filter); min-p keeps
-    those from min_p * max on."""
+    order like their values. A token of pattern b is kept by top-k iff fewer than top_k tokens
+    have a larger pattern, and by top-p iff the kept mass of tokens with a larger pattern is below
+    top_p times the kept mass; both are monotone in b, so each keeps the patterns from some B on,
+    found exactly by bisection (one pass over the vocabulary a step, skipped when no row of the
+    step uses that filter); min-p keeps those from min_p * max on."""
     vocab = probs.shape[-1]
     bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
     largest = jnp.max(bits, axis=-1)
@@ -156,18 +165,27 @@ def keep_threshold(probs: jax.Array, s: SamplingInput) -> jax.Array:
         def step(_, bounds):  # invariant: B lies in (lo, hi]; hi satisfies the condition
             lo, hi = bounds
             mid = lo + (hi - lo) // 2
-            above = _chunks(jnp.where(bits > mid[:, None], values, 0.0), 0.0).sum(axis=-1).sum(axis=-1)
+            above = _row_sums(jnp.where(bits > mid[:, None], values, 0.0))
             ok = above < limit
             return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
 
-        search = lambda: jax.lax.fori_loop(0, _SEARCH_STEPS, step, (none, largest))[1]  # noqa: E731
-        return jax.lax.cond(jnp.any(jnp.isfinite(limit)), search, lambda: none)
+        return jax.lax.fori_loop(0, _SEARCH_STEPS, step, (none, largest))[1]
+
+    def when_used(limit: jax.Array, bound) -> jax.Array:
+        """`bound()` if some row has a finite `limit` (its filter on), else -1 (keep every token)."""
+        return jax.lax.cond(jnp.any(jnp.isfinite(limit)), bound, lambda: none)
 
     # 1 and the vocabulary size are "off" (a sum that rounds above 1 must not cut the tail)
-    from_p = first_kept(probs, jnp.where(s.top_p < 1, s.top_p, jnp.inf))
-    from_k = first_kept(jnp.ones_like(probs), jnp.where((s.top_k > 0) & (s.top_k < vocab), s.top_k, jnp.inf))
+    k_limit = jnp.where((s.top_k > 0) & (s.top_k < vocab), s.top_k, jnp.inf)
+    from_k = when_used(k_limit, lambda: first_kept(jnp.ones_like(probs), k_limit))
     from_min = jax.lax.bitcast_convert_type(s.min_p * jax.lax.bitcast_convert_type(largest, jnp.float32), jnp.int32)
-    first = jnp.maximum(jnp.maximum(from_p, from_k), from_min)
+    first = jnp.maximum(from_k, from_min)
+
+    def from_p() -> jax.Array:
+        kept = jnp.where(bits >= first[:, None], probs, 0.0)
+        return first_kept(kept, jnp.where(s.top_p < 1, s.top_p * _row_sums(kept), jnp.inf))
+
+    first = jnp.maximum(first, when_used(jnp.where(s.top_p < 1, s.top_p, jnp.inf), from_p))
     return jax.lax.bitcast_convert_type(jnp.maximum(first, 0), jnp.float32)
 
 

@@ -64,7 +64,10 @@ def assert_frequencies(tokens: np.ndarray, expected: np.ndarray) -> None:
         (dict(top_p=0.7), [1, 1, 1, 0, 0, 0]),  # 0.40 + 0.25 < 0.7, so the third token is still needed
         (dict(top_p=0.65), [1, 1, 0, 0, 0, 0]),  # mass before the third token is 0.65: not < 0.65
         (dict(min_p=0.3), [1, 1, 1, 0, 0, 0]),  # keep p >= 0.3 * 0.40 = 0.12
-        (dict(top_k=3, top_p=0.5), [1, 1, 0, 0, 0, 0]),
+        (dict(top_k=3, top_p=0.6), [1, 1, 0, 0, 0, 0]),
+        # top-p measures what top-k and min-p keep, renormalised (vLLM's order): 0.40 / 0.65 >= 0.6
+        (dict(top_k=2, top_p=0.6), [1, 0, 0, 0, 0, 0]),
+        (dict(min_p=0.5, top_p=0.6), [1, 0, 0, 0, 0, 0]),
     ],
 )
 def test_filters_respect_their_support(kwargs, keep):
@@ -73,13 +76,18 @@ def test_filters_respect_their_support(kwargs, keep):
 
 
 def reference_kept(probs: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:
-    """One row, in float64 by sorting: (kept mask, each token's mass before it in sorted order). Ranks
-    below top_k, mass before below top_p, at least min_p times the largest; the first always; then
-    ties of the last kept token."""
+    """One row, in float64 by sorting, in vLLM's order: (kept mask, each token's mass before it in
+    sorted order among what top-k and min-p keep, renormalised). Top-k: ranks below top_k and ties of
+    the last; min-p: at least min_p times the largest; then top-p on those: renormalised mass before
+    below top_p; the first always; then ties of the last kept token."""
     order = np.argsort(-probs, kind="stable")
     srt = probs[order]
-    before = np.cumsum(srt) - srt
-    keep = (np.arange(len(srt)) < (top_k if top_k > 0 else len(srt))) & (before < top_p) & (srt >= min_p * srt[0])
+    by_k = srt >= srt[min(top_k, len(srt)) - 1] if top_k > 0 else np.ones(len(srt), bool)
+    kept_k_min = by_k & (srt >= min_p * srt[0])
+    kept_k_min[0] = True
+    renormalised = np.where(kept_k_min, srt, 0.0) / srt[kept_k_min].sum()
+    before = np.cumsum(renormalised) - renormalised
+    keep = kept_k_min & (before < top_p)
     keep[0] = True
     mass_before = np.empty_like(before)
     mass_before[order] = before
@@ -96,7 +104,8 @@ def threshold_cases(rng, vocab):
     for probs in (peaked, flat, ties):
         probs = (probs / probs.sum()).astype(np.float32)
         for top_k, top_p, min_p in [(0, 0.5, 0.0), (0, 0.9, 0.0), (0, 0.99, 0.0), (10, 1.0, 0.0), (64, 1.0, 0.0),
-                                    (65, 1.0, 0.0), (700, 1.0, 0.0), (0, 1.0, 0.05), (0, 1.0, 0.9), (300, 0.95, 0.01)]:
+                                    (65, 1.0, 0.0), (700, 1.0, 0.0), (0, 1.0, 0.05), (0, 1.0, 0.9), (300, 0.95, 0.01),
+                                    (40, 0.5, 0.0), (0, 0.7, 0.02), (200, 0.8, 0.05)]:
             rows.append((probs, top_k, top_p, min_p))
     return rows
 
