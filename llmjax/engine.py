@@ -25,6 +25,7 @@ import gc
 import itertools
 import logging
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
@@ -85,6 +86,18 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+def _token_ids(prompt) -> list[int]:
+    """A prompt given as token ids, as a list of ints: integers only (numpy's too), never a float, a
+    string or a bool, which `int()` would quietly turn into ids."""
+    try:
+        ids = [None if isinstance(t, (bool, np.bool_)) else operator.index(t) for t in prompt]
+    except TypeError:  # not iterable, or an item that is no integer
+        ids = [None]
+    if None in ids:
+        raise RequestError(f"a prompt is a string or a sequence of integer token ids, got {prompt!r:.80}", "prompt")
+    return ids
 
 
 @dataclass(slots=True)
@@ -218,6 +231,8 @@ class LLMEngine:
         tokenizer, say); either way nothing is queued and no other request is affected.
         """
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
         if request_id is None:
             request_id = next(i for i in map("req-{}".format, self._ids) if i not in self._parents)
         elif not isinstance(request_id, str) or not request_id:
@@ -234,7 +249,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         if text == "":
             raise RequestError("the prompt is empty", "prompt")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else _token_ids(prompt)
         self._validate(ids, params)
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=self.config.max_model_len - len(ids))
@@ -282,10 +297,14 @@ class LLMEngine:
                 "Please reduce the length of the prompt or max_tokens.",
                 "max_tokens" if len(ids) < max_len else "prompt",
             )
-        if self.kv.num_blocks_for(wanted) > self.num_blocks - 1:
+        # the most tokens it can reach: without max_tokens, max_model_len
+        longest = max_len if params.max_tokens is None else wanted
+        if self.kv.num_blocks_for(longest) > self.num_blocks - 1:
+            reach = "max_model_len, with max_tokens unset" if params.max_tokens is None else "its prompt and max_tokens"
             raise RequestError(
-                f"the request needs {self.kv.num_blocks_for(wanted)} KV blocks but the pool holds only "
-                f"{self.num_blocks - 1}; raise the KV cache memory budget", "max_tokens",
+                f"the request can reach {longest} tokens ({reach}), which need {self.kv.num_blocks_for(longest)} "
+                f"KV blocks, but the pool holds only {self.num_blocks - 1}; lower max_tokens or raise the KV cache "
+                "memory budget", "max_tokens",
             )
 
     def abort(self, request_id: str) -> RequestOutput | None:

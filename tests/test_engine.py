@@ -235,6 +235,36 @@ def test_too_long_request_is_refused_and_harms_nobody():
     assert out.outputs[0].finish_reason == "length" and engine.kv.usage().used == 0
 
 
+@pytest.mark.parametrize("prompt", [[5.7, 6.2], ["12"], [True, 5], {"prompt": "x"}, 7, [np.int64(5), 2.0]])
+def test_a_prompt_of_non_integer_ids_is_refused(prompt):
+    """Token ids are integers (numpy's too): a float, a string or a bool is refused, not turned into an id."""
+    engine = tiny_engine()
+    with pytest.raises(RequestError, match="sequence of integer token ids") as refused:
+        engine.add_request(prompt, GREEDY)
+    assert refused.value.param == "prompt" and not engine.has_unfinished_requests()
+    with pytest.raises(RequestError, match="params must be a SamplingParams"):
+        engine.add_request([5, 6], {"max_tokens": 3})
+    [out] = run_to_completion(engine, [np.array([5, 6, 7], np.int32)])
+    assert out.prompt_token_ids == [5, 6, 7] and out.outputs[0].finish_reason == "length"
+
+
+def test_a_request_that_can_outgrow_the_pool_is_refused():
+    """A pool smaller than max_model_len (128 tokens here; 10 usable blocks of 8 hold 80): a request
+    whose prompt and max_tokens need more, or with max_tokens unset (it may grow to max_model_len),
+    is refused at once; one that fits runs beside them to the end."""
+    engine = tiny_engine(kv_cache_memory_bytes=11 * 8 * engine_bytes_per_token("tiny-gqa"))
+    assert engine.num_blocks - 1 == 10
+    good = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=80 - len(PROMPTS[0]),
+                                                         ignore_eos=True))
+    with pytest.raises(RequestError, match="can reach 85 tokens .its prompt and max_tokens.") as refused:
+        engine.add_request([5] * 5, SamplingParams(max_tokens=80))
+    assert refused.value.param == "max_tokens"
+    with pytest.raises(RequestError, match="can reach 128 tokens .max_model_len, with max_tokens unset."):
+        engine.add_request([5] * 5, SamplingParams(max_tokens=None, ignore_eos=True))
+    [out] = drain(engine, [good])
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 80 - len(PROMPTS[0])
+
+
 def test_second_run_compiles_nothing():
     engine = tiny_engine(enable_prefix_caching=False)  # with caching on, a rerun hits the cache: other shapes
     first = run_to_completion(engine, PROMPTS)
