@@ -18,7 +18,8 @@ prompts are token-id lists, or text (`--prompt-format text`, the ids rendered by
 `/detokenize`).
 
 Reports TTFT, TPOT (per output token after the first), ITL (between streamed chunks) and
-end-to-end latency (mean, p50, p90, p99, in ms), request and token throughput, streamed chunks
+end-to-end latency (to the last chunk with output, as vLLM's) (mean, p50, p90, p99, in ms), request
+and token throughput over the run (the first request sent to the last one finished), streamed chunks
 (SSE events) per request (fewer than its tokens with `--stream-interval` above 1), and goodput
 (requests per second meeting every `--goodput` SLO, e.g. `--goodput ttft:500 tpot:50`).
 Prints a table (and the distinct errors of failed requests); `--result-file` writes the same as JSON.
@@ -72,21 +73,26 @@ class RequestResult:
     text: str = ""
     last_event: float | None = None  # when the last chunk with a choice arrived
 
+    usage_seen: bool = False
+
     def add_event(self, chunk: dict, start: float) -> None:
         """Fold in one SSE event, a parsed completion chunk received now (`start`: when the request
-        was sent): the first choice's arrival is the TTFT, each later one an ITL; the usage chunk
-        gives the token counts."""
+        was sent): the first choice's arrival is the TTFT, each later one an ITL, the last one ends
+        the end-to-end latency (as in vLLM's benchmark); the usage chunk gives the token counts.
+        Raises KeyError / TypeError for a chunk not shaped like a completion chunk."""
         now = time.perf_counter()
-        for choice in chunk["choices"]:
+        for choice in chunk.get("choices") or ():
             if self.last_event is None:
                 self.ttft = now - start
             else:
                 self.itl.append(now - self.last_event)
             self.last_event = now
-            self.text += choice["text"]
+            self.latency = now - start
+            self.text += choice.get("text") or ""
         if chunk.get("usage"):
-            self.prompt_tokens = chunk["usage"]["prompt_tokens"]
-            self.output_tokens = chunk["usage"]["completion_tokens"]
+            self.prompt_tokens = int(chunk["usage"]["prompt_tokens"])
+            self.output_tokens = int(chunk["usage"]["completion_tokens"])
+            self.usage_seen = True
 
     @property
     def tpot(self) -> float:
@@ -95,7 +101,9 @@ class RequestResult:
 
 async def stream_completion(session: aiohttp.ClientSession, payload: dict) -> RequestResult:
     """POST a streamed `/v1/completions` request (usage included) through `session` (its base URL
-    is the server's) and time its chunks."""
+    is the server's) and time its chunks up to `data: [DONE]`. A stream that breaks, carries an
+    error event or an event that is not a completion chunk, or ends without output or usage, fails
+    this request alone (`error` says why)."""
     payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
     result, start = RequestResult(), time.perf_counter()
     try:
@@ -104,19 +112,24 @@ async def stream_completion(session: aiohttp.ClientSession, payload: dict) -> Re
                 result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return result
             async for line in response.content:  # the body's lines, each ending in a newline
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                if line.startswith(b"data: [DONE]"):
+                    break
+                if not line.startswith(b"data: "):
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    result.error = chunk["error"]["message"]
+                    result.error = str(chunk["error"].get("message") if isinstance(chunk["error"], dict)
+                                       else chunk["error"])
                     return result
                 result.add_event(chunk, start)
     except aiohttp.ClientError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
-    result.latency = time.perf_counter() - start
-    result.ok = result.last_event is not None
-    result.error = "" if result.ok else "no output"
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON or a chunk of another shape
+        result.error = f"malformed stream event ({type(exc).__name__}: {exc})"
+        return result
+    result.ok = result.last_event is not None and result.usage_seen
+    result.error = "" if result.ok else "no output" if result.last_event is None else "no usage in the stream"
     return result
 
 
@@ -235,10 +248,10 @@ async def run_jobs(session: aiohttp.ClientSession, jobs: list[Job], total: int, 
 
     start = time.perf_counter()
     tasks = []
-    for job in jobs:
-        tasks.append(asyncio.create_task(job(send)))
-        if math.isfinite(request_rate):
+    for i, job in enumerate(jobs):
+        if i and math.isfinite(request_rate):  # the gap before each arrival after the first
             await asyncio.sleep(rng.exponential(1.0 / request_rate))
+        tasks.append(asyncio.create_task(job(send)))
     await asyncio.gather(*tasks)
     bar.close()
     return results, time.perf_counter() - start

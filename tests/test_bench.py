@@ -6,6 +6,8 @@ end the command with `error: ...`."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
 import json
 import socket
 
@@ -13,8 +15,9 @@ import httpx
 import numpy as np
 import pytest
 from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 
-from llmjax.bench import add_bench_args, run_bench
+from llmjax.bench import add_bench_args, run_bench, run_jobs
 from llmjax.cli import main
 from llmjax.serve.api import build_app
 from llmjax.serve.metrics import parse_metrics
@@ -140,6 +143,73 @@ def test_bad_bench_flags_are_usage_errors_before_the_run(cli_error, monkeypatch,
     monkeypatch.setattr("llmjax.bench.run_bench", lambda args: pytest.fail("the benchmark ran"))
     line, status = cli_error("bench", *flags)
     assert status == 2 and line.startswith("llmjax bench: error: ") and message in line, line
+
+
+def scripted_server(streams: list[list[str]]) -> FastAPI:
+    """A server whose n-th `/v1/completions` answer is the raw SSE body `streams[n % len(streams)]`
+    (its events joined as sent)."""
+    app, calls = FastAPI(), itertools.count()
+    app.add_api_route("/v1/models", lambda: {"object": "list", "data": [{"id": "scripted", "max_model_len": 64}]})
+
+    async def completions():
+        events = streams[next(calls) % len(streams)]
+        return StreamingResponse(iter(events), media_type="text/event-stream")
+
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    return app
+
+
+def sse(chunk: dict) -> str:
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+TEXT = sse({"choices": [{"index": 0, "text": "ab"}]})
+USAGE = sse({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}})
+DONE = "data: [DONE]\n\n"
+
+
+def test_a_malformed_stream_fails_that_request_alone():
+    """Each request's stream as a server or a router may cut or shape it: an event cut short, a
+    chunk that is no completion chunk, one without output or usage fail that request (its error
+    says why); a usage chunk without `choices`, a `null` text and anything after `[DONE]` are no
+    failure (vLLM's benchmark reads them so)."""
+    streams = [
+        [TEXT, USAGE, DONE],
+        [TEXT, 'data: {"id": "c", "choi\n\n', DONE],                         # an event cut short
+        [sse({"choices": [{"index": 0, "text": None}]}), TEXT,
+         sse({"usage": {"prompt_tokens": 4, "completion_tokens": 2}}), DONE],  # no `choices`; null text
+        [TEXT, USAGE, DONE, sse({"error": {"message": "late"}}), DONE],       # after [DONE]: not read
+        [sse({"choices": "none"}), DONE],                                     # no completion chunk
+        [TEXT, DONE],                                                         # no usage
+    ]
+    with running_server(scripted_server(streams)) as url:
+        summary = bench(url, "--num-prompts", "6", "--random-input-len", "4", "--random-output-len", "2",
+                        "--max-concurrency", "1")
+    assert (summary["completed"], summary["failed"]) == (3, 3)
+    assert summary["total_output_tokens"] == 6
+    assert sorted(e.split(" (")[0] for e in summary["errors"]) == [
+        "malformed stream event", "malformed stream event", "no usage in the stream"]
+
+
+def test_arrivals_wait_only_between_requests(monkeypatch):
+    """Poisson arrivals: a gap before each request after the first, none after the last, so the
+    measured duration ends with the last request, not with one more gap."""
+    gaps = []
+    real_sleep = asyncio.sleep
+
+    async def record(delay, *args):
+        gaps.append(delay)
+        await real_sleep(0)
+
+    async def job(send):
+        return None
+
+    monkeypatch.setattr(asyncio, "sleep", record)
+    results, _ = asyncio.run(run_jobs(None, [job] * 5, total=0, request_rate=2.0, max_concurrency=None, seed=0))
+    assert len(gaps) == 4 and all(g > 0 for g in gaps)
+    gaps.clear()
+    asyncio.run(run_jobs(None, [job] * 5, total=0, request_rate=float("inf"), max_concurrency=None, seed=0))
+    assert gaps == []
 
 
 def test_an_unreachable_server_is_an_error():
