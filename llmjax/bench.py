@@ -18,8 +18,8 @@ prompts are token-id lists, or text (`--prompt-format text`, the ids rendered by
 `/detokenize`).
 
 Reports TTFT, TPOT (per output token after the first), ITL (between streamed chunks) and
-end-to-end latency (to the last chunk with output, as vLLM's) (mean, p50, p90, p99, in ms), request
-and token throughput over the run (the first request sent to the last one finished), streamed chunks
+end-to-end latency (to `data: [DONE]`) (mean, p50, p90, p99, in ms), request and token throughput
+over the run (the first request sent to the last one finished), streamed chunks
 (SSE events) per request (fewer than its tokens with `--stream-interval` above 1), and goodput
 (requests per second meeting every `--goodput` SLO, e.g. `--goodput ttft:500 tpot:50`).
 Prints a table (and the distinct errors of failed requests); `--result-file` writes the same as JSON.
@@ -77,8 +77,8 @@ class RequestResult:
 
     def add_event(self, chunk: dict, start: float) -> None:
         """Fold in one SSE event, a parsed completion chunk received now (`start`: when the request
-        was sent): the first choice's arrival is the TTFT, each later one an ITL, the last one ends
-        the end-to-end latency (as in vLLM's benchmark); the usage chunk gives the token counts.
+        was sent): the first choice's arrival is the TTFT, each later one an ITL; the usage chunk
+        gives the token counts.
         Raises KeyError / TypeError for a chunk not shaped like a completion chunk."""
         now = time.perf_counter()
         for choice in chunk.get("choices") or ():
@@ -87,7 +87,6 @@ class RequestResult:
             else:
                 self.itl.append(now - self.last_event)
             self.last_event = now
-            self.latency = now - start
             self.text += choice.get("text") or ""
         if chunk.get("usage"):
             self.prompt_tokens = int(chunk["usage"]["prompt_tokens"])
@@ -128,6 +127,7 @@ async def stream_completion(session: aiohttp.ClientSession, payload: dict) -> Re
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON or a chunk of another shape
         result.error = f"malformed stream event ({type(exc).__name__}: {exc})"
         return result
+    result.latency = time.perf_counter() - start
     result.ok = result.last_event is not None and result.usage_seen
     result.error = "" if result.ok else "no output" if result.last_event is None else "no usage in the stream"
     return result
