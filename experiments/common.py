@@ -180,6 +180,9 @@ def replay_engine(engine, requests: list[TraceRequest], progress: str | None = N
     drawn output length); see the module docstring for how compile stalls are removed."""
     from tqdm import tqdm
 
+    if any(r.after is not None for r in requests):
+        raise ValueError("replay_engine replays fixed arrival times; a request that follows another's finish "
+                         "(TraceRequest.after) needs the simulator")
     pending = sorted(requests, key=lambda r: r.arrival)
     sched = engine.scheduler
     steps: StepLog = []

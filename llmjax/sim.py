@@ -1,7 +1,7 @@
 """A simulated runner: the REAL scheduler and KV bookkeeping, a cost model instead of the model.
 
-`Simulator` replays a trace of `TraceRequest`s (arrival time, prompt token ids, the output length
-the request will produce) on a virtual clock. Each step mirrors `LLMEngine.step`: schedule, "execute"
+`Simulator` replays a trace of `TraceRequest`s (arrival time, or a think time after the request it
+follows; prompt token ids; the output length the request will produce) on a virtual clock. Each step mirrors `LLMEngine.step`: schedule, "execute"
 (the clock advances by `CostModel.step_time`), then the scheduler's own `update_from_output` with one
 dummy token (`DUMMY_TOKEN`) per request: a request finishes at its drawn output length, which is its
 `max_tokens` (ignore_eos). No weights,
@@ -16,9 +16,10 @@ calls (`allocate`, `grow`, `free`, `has_request`, `cache_blocks`, `peek_prefix_l
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
+import itertools
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from tqdm import tqdm
@@ -81,13 +82,18 @@ A100_40GB_OPT_13B = CostModel(
 
 @dataclass(frozen=True)
 class TraceRequest:
-    """One request of a trace: when it arrives, its prompt, and how many tokens it will produce."""
+    """One request of a trace: when it arrives, its prompt, and how many tokens it will produce.
+
+    `after`: the id of a request of the same trace whose output this one's prompt holds (a chat's
+    next turn); it then arrives `arrival` seconds (the user's think time) after that one finishes,
+    not at a fixed time, so no prompt is sent before the reply it contains exists."""
 
     request_id: str
     arrival: float
     prompt: Sequence[int]
     output_len: int
     namespace: Hashable | None = None
+    after: str | None = None
 
 
 @dataclass(frozen=True)
@@ -138,20 +144,29 @@ class Simulator:
         ValueError for a request longer than `max_model_len`; RuntimeError when nothing can be
         scheduled and nothing will arrive (a request the KV pool can never hold).
         """
+        ids = {t.request_id for t in trace}
         for t in trace:
             if len(t.prompt) + t.output_len > self.config.max_model_len or t.output_len < 1 or not t.prompt:
                 raise ValueError(f"{t.request_id}: {len(t.prompt)} + {t.output_len} tokens do not fit "
                                  f"max_model_len {self.config.max_model_len}")
-        pending = deque(sorted(trace, key=lambda t: t.arrival))
+            if t.after is not None and (t.after not in ids or t.after == t.request_id):
+                raise ValueError(f"{t.request_id} waits for {t.after!r}, which is no other request of the trace")
+        waiting_for: dict[str, list[TraceRequest]] = {}  # predecessor id -> requests that follow its finish
+        for t in trace:
+            if t.after is not None:
+                waiting_for.setdefault(t.after, []).append(t)
+        pending = [(t.arrival, i, t) for i, t in enumerate(trace) if t.after is None]  # a heap by arrival
+        heapq.heapify(pending)
+        order = itertools.count(len(trace))
         finished: list[Request] = []
         sched, steps = self.scheduler, 0
         bar = tqdm(total=len(trace), desc=progress, unit="req", disable=progress is None, leave=False)
         while pending or sched.has_unfinished():
             if until is not None and self.now >= until:
                 break
-            while pending and pending[0].arrival <= self.now:
-                sched.add(_request(pending.popleft()))
-            sched.input_closed = not pending
+            while pending and pending[0][0] <= self.now:
+                sched.add(_request(heapq.heappop(pending)[2]))
+            sched.input_closed = not pending and not waiting_for
             out = sched.schedule()
             if out.empty:
                 if not out.preempted:  # else the state changed: schedule again at the same time
@@ -161,18 +176,23 @@ class Simulator:
             self.now += dt
             done = finish_step(sched, out)
             finished.extend(done)
+            for r in done:  # the requests that waited for these arrive a think time later
+                for t in waiting_for.pop(r.request_id, ()):
+                    heapq.heappush(pending, (self.now + t.arrival, next(order),
+                                             replace(t, arrival=self.now + t.arrival, after=None)))
             bar.update(len(done))
             steps += 1
             for observe in self.observers:
                 observe(self, out, dt)
         bar.close()
-        unfinished = len(pending) + len(sched.waiting) + len(sched.running)
+        unfinished = (len(pending) + sum(map(len, waiting_for.values())) + len(sched.waiting)
+                      + len(sched.running))
         return SimResult(finished, unfinished, self.now, steps, sched.num_preemptions)
 
-    def _next_event(self, pending: deque[TraceRequest]) -> float:
-        """The clock time at which an idle scheduler may have work: the next arrival, or a dynamic
-        batch's deadline."""
-        times = [pending[0].arrival] if pending else []
+    def _next_event(self, pending: list[tuple[float, int, TraceRequest]]) -> float:
+        """The clock time at which an idle scheduler may have work: the next arrival (`pending` is a
+        heap of (arrival, order, request)), or a dynamic batch's deadline."""
+        times = [pending[0][0]] if pending else []
         waiting = self.scheduler.waiting
         if self.config.scheduling_policy == "dynamic" and waiting:
             times.append(waiting[0].arrival_time + self.config.max_delay)

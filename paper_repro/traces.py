@@ -123,16 +123,21 @@ class Chats:
 
 
 def chat_trace(chats: Chats, reply_lens: np.ndarray, rate: float, think_time: float, seed: int) -> list[TraceRequest]:
-    """Conversations starting at `rate` per second; each turn arrives `think_time` seconds (exponential mean)
-    after the previous one. Replies are the simulator's dummy tokens, so a turn's prompt holds exactly the
-    tokens the simulator produced for the earlier turns. reply_lens: [conversation, turn]."""
+    """Conversations starting at `rate` per second; each later turn arrives a think time (exponential,
+    mean `think_time` seconds) after the previous turn finishes (`TraceRequest.after`), so its prompt
+    never holds a reply that does not exist yet. Replies are the simulator's dummy tokens, so a turn's
+    prompt holds exactly the tokens the simulator produced for the earlier turns. reply_lens:
+    [conversation, turn]."""
     rng = np.random.default_rng(seed)
     starts = poisson_arrivals(rng, len(chats.users), rate)
     trace = []
     for c, start in enumerate(starts):
-        t, replies = float(start), []
+        replies = []
         for k, n in enumerate(reply_lens[c]):
-            trace.append(TraceRequest(f"chat-{c}-{k}", t, chats.prompt(c, k, replies), int(n)))
+            if k == 0:
+                trace.append(TraceRequest(f"chat-{c}-0", float(start), chats.prompt(c, 0, replies), int(n)))
+            else:
+                trace.append(TraceRequest(f"chat-{c}-{k}", float(rng.exponential(think_time)),
+                                          chats.prompt(c, k, replies), int(n), after=f"chat-{c}-{k - 1}"))
             replies.append([DUMMY_TOKEN] * int(n))
-            t += float(rng.exponential(think_time))
     return trace

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -49,7 +51,9 @@ def assert_all_finished(result, trace: list[TraceRequest]) -> None:
         t = drawn[r.request_id]
         assert r.output_token_ids == [DUMMY_TOKEN] * t.output_len
         assert r.prompt_token_ids == list(t.prompt)
-        assert t.arrival < r.first_token_time <= r.finish_time <= result.duration
+        if t.after is None:  # else it arrived a think time after the request it follows finished
+            assert r.arrival_time == t.arrival
+        assert r.arrival_time < r.first_token_time <= r.finish_time <= result.duration
         assert r.token_times == sorted(r.token_times)
 
 
@@ -92,6 +96,27 @@ def test_chat_history_hits_the_prefix_cache() -> None:
         turn1 = len(trace[3 * c].prompt) + 6 - 1
         assert hits[f"chat-{c}-1"] == turn1 // 4 * 4
     assert kv.stats().hit_rate > 0.4
+    # each later turn arrived after the turn it follows had finished (its reply existed)
+    finish = {r.request_id: r.finish_time for r in result.finished}
+    arrival = {r.request_id: r.arrival_time for r in result.finished}
+    for c in range(6):
+        for k in (1, 2):
+            assert arrival[f"chat-{c}-{k}"] >= finish[f"chat-{c}-{k - 1}"]
+
+
+def test_a_request_that_follows_another_arrives_a_think_time_after_its_finish() -> None:
+    trace = [TraceRequest("a", 1.0, [1, 2, 3], 4), TraceRequest("b", 5.0, [1, 2, 3, 0, 0, 0, 0, 7], 2, after="a"),
+             TraceRequest("c", 0.5, [9, 9], 3)]
+    kv = KVCacheManager(num_blocks=40, block_size=4)
+    result, _ = run_checked(CONFIG.replace(enable_prefix_caching=True), kv, trace)
+    assert_all_finished(result, trace)
+    done = {r.request_id: r for r in result.finished}
+    assert done["b"].arrival_time == pytest.approx(done["a"].finish_time + 5.0)
+    assert done["b"].num_cached_tokens == 4  # a's prompt and reply were cached when b arrived: one whole page
+    stopped = Simulator(CONFIG, KVCacheManager(num_blocks=40, block_size=4), UNIT).run(trace, until=2.0)
+    assert stopped.unfinished == 3 - len(stopped.finished) and "b" not in {r.request_id for r in stopped.finished}
+    with pytest.raises(ValueError, match="no other request of the trace"):
+        Simulator(CONFIG, KVCacheManager(num_blocks=40, block_size=4), UNIT).run([replace(trace[1], after="zzz")])
 
 
 def test_step_time_is_the_roofline_sum() -> None:
