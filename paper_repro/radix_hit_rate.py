@@ -207,7 +207,8 @@ def few_shot_at_scale(seed: int) -> list[TraceRequest]:
 
 def chat_at_scale(seed: int) -> list[TraceRequest]:
     """300 conversations x 5 turns, 128-token system prompt, 48-token user turns, replies log-normal with mean
-    80; conversations start at 4/s, a turn an exponential think time (mean 60 s) after the previous one."""
+    80; conversations start at 4/s, a turn an exponential think time (mean 60 s) after the previous one
+    finished."""
     rng = np.random.default_rng(seed)
     conversations, turns = 300, 5
     chats = traces.Chats.draw(rng, OPT_VOCAB, conversations, turns, system_len=128, user_len=48)
@@ -346,8 +347,8 @@ def scale_findings(scale: dict) -> str:
         lpm_hits = [row["hit_rate"] for row in r["lpm"]]
         out.append(f"{name}: at the largest pool ({f1['slots']} tokens) FCFS and LPM hit {100 * f1['hit_rate']:.1f}% / "
                    f"{100 * l1['hit_rate']:.1f}% (caching off serves {o1['throughput']:.1f} req/s, caching on "
-                   f"{l1['throughput']:.1f}); at the smallest ({f0['slots']}) FCFS falls to {100 * f0['hit_rate']:.1f}% "
-                   f"while LPM keeps {100 * l0['hit_rate']:.1f}% (over all pools LPM ranges "
+                   f"{l1['throughput']:.1f}); at the smallest ({f0['slots']}) FCFS hits {100 * f0['hit_rate']:.1f}% "
+                   f"and LPM {100 * l0['hit_rate']:.1f}% (over all pools LPM ranges "
                    f"{100 * min(lpm_hits):.0f}-{100 * max(lpm_hits):.0f}%) and serves {l0['throughput'] / f0['throughput']:.2f}x "
                    f"FCFS's requests/s ({o0['throughput']:.2f} with caching off).")
     return " ".join(out)
@@ -401,7 +402,7 @@ OPT-13B on an A100-40GB (cost model `llmjax.sim.A100_40GB_OPT_13B`), our schedul
 80 tasks whose 5 examples make a 320-token prefix, 20 questions of 32 tokens each, interleaved,
 Poisson at 30 req/s, outputs log-normal with mean 32. Chat: 300 conversations of 5 turns sharing a
 128-token system prompt, conversations starting at 4/s, each turn an exponential think time (mean 60 s)
-after the previous one, replies log-normal with mean 80 tokens (the replies in the prompts are the
+after the previous turn finished (its prompt holds that turn's reply), replies log-normal with mean 80 tokens (the replies in the prompts are the
 simulator's dummy tokens). Seed {args.seed}. Hit rate counts each request's first admission only.
 
 {chr(10).join(scale_table(scale))}
@@ -410,8 +411,10 @@ simulator's dummy tokens). Seed {args.seed}. Hit rate counts each request's firs
 
 How to read it: below the working set (every task's examples; every live conversation's history), LRU
 eviction drops prefixes before their reuse; LPM admits the queued requests that share a cached prefix
-together, before it is evicted. Chat turns are paced by think time, so there the gain shows in time to
-first token rather than in requests/s.
+together, before it is evicted. That helps few-shot, where many queued questions share one task's
+examples. A conversation has at most one turn queued at a time (the next waits for its reply and the
+user's think time), so no queued requests share its history and LPM's order finds nothing to group:
+in chat its hit rate and time to first token are FCFS's.
 """
 
 
