@@ -414,7 +414,7 @@ eviction drops prefixes before their reuse; LPM admits the queued requests that 
 together, before it is evicted. That helps few-shot, where many queued questions share one task's
 examples. A conversation has at most one turn queued at a time (the next waits for its reply and the
 user's think time), so no queued requests share its history and LPM's order finds nothing to group:
-in chat its hit rate and time to first token are FCFS's.
+in chat its hit rate and time to first token stay close to FCFS's.
 """
 
 
