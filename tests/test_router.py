@@ -262,25 +262,58 @@ def test_tenants_are_routed_apart_and_each_sticks_to_its_worker():
         assert [served(t, system + f"q{i}") for i in (1, 2) for t in ("tenant-1", "tenant-2")] == first * 2
 
 
-
-def test_a_worker_that_fails_mid_stream_ends_the_relayed_stream_with_an_error_event():
+def dying_worker(chunks: list[bytes], media_type: str) -> FastAPI:
+    """A worker whose completions send `chunks`, then drop the connection before the body's end."""
     app = FastAPI()
 
-    async def broken_events():
-        yield b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+    async def body():
+        for chunk in chunks:
+            yield chunk
         raise RuntimeError("the worker died")  # the server drops the connection mid-body
 
     app.add_api_route("/health", lambda: Response(status_code=200))
-    app.add_api_route("/v1/completions", lambda: StreamingResponse(broken_events(), media_type="text/event-stream"),
-                      methods=["POST"])
-    with running_server(app) as url, running_server(build_router_app([url], RoundRobin(), 3600)) as router:
-        r = httpx.post(f"{router}/v1/completions", json={"prompt": "x", "stream": True}, timeout=TIMEOUT)
-        events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: ")]
-        assert r.status_code == 200 and events[-1] == "[DONE]", r.text
-        assert json.loads(events[0])["choices"][0]["text"] == "a"
-        assert "worker failed mid-stream" in json.loads(events[1])["error"]["message"], r.text
-        [worker] = httpx.get(f"{router}/workers", timeout=TIMEOUT).json()
-        assert worker["up"] and worker["in_flight"] == 0
+    app.add_api_route("/v1/completions", lambda: StreamingResponse(body(), media_type=media_type), methods=["POST"])
+    return app
+
+
+def relay_through_router(worker: FastAPI, body: dict) -> httpx.Response:
+    """POST a completion to `worker` through a router; afterwards the worker is up and idle."""
+    with running_server(worker) as url, running_server(build_router_app([url], RoundRobin(), 3600)) as router:
+        try:
+            return httpx.post(f"{router}/v1/completions", json=body, timeout=TIMEOUT)
+        finally:
+            wait_for(lambda: httpx.get(f"{router}/workers", timeout=TIMEOUT).json()[0]["in_flight"] == 0)
+            assert httpx.get(f"{router}/workers", timeout=TIMEOUT).json()[0]["up"]
+
+
+FIRST_EVENT = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+
+
+def test_a_worker_that_fails_mid_stream_ends_the_relayed_stream_with_an_error_event():
+    """Half an event the worker sent before it died never reaches the client: every event parses."""
+    worker = dying_worker([FIRST_EVENT, b'data: {"id": "c", "choi'], "text/event-stream")
+    r = relay_through_router(worker, {"prompt": "x", "stream": True})
+    events = [e[6:] for e in r.text.split("\n\n") if e]
+    assert r.status_code == 200 and r.text.endswith("\n\n") and len(events) == 3, r.text
+    assert json.loads(events[0])["choices"][0]["text"] == "a"
+    assert "worker failed mid-stream" in json.loads(events[1])["error"]["message"], r.text
+    assert events[2] == "[DONE]"
+
+
+def test_a_worker_that_fails_after_its_done_event_ends_the_stream_as_it_sent_it():
+    chunks = [FIRST_EVENT, b"data: [DONE]\n\n"]
+    r = relay_through_router(dying_worker(chunks, "text/event-stream"), {"prompt": "x", "stream": True})
+    assert r.status_code == 200 and r.content == b"".join(chunks)
+
+
+def test_a_body_the_worker_cuts_short_reaches_the_client_cut_short():
+    """Not a clean 200 with half a JSON body: the client sees the transfer broken, as it would from
+    the worker itself."""
+    worker = dying_worker([b'{"id": "c", "choices": [{"text": "'], "application/json")
+    with running_server(worker) as url, pytest.raises(httpx.RemoteProtocolError):
+        httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=TIMEOUT)  # direct
+    with pytest.raises(httpx.RemoteProtocolError):
+        relay_through_router(worker, {"prompt": "x"})
 
 
 def test_a_client_that_leaves_a_stream_through_the_router_aborts_it_on_the_worker(replicas):
@@ -322,6 +355,26 @@ POISON = [
     ({"prompt": "hi", "response_format": {"type": "json_object"}}, {400}),
     (b'{"model": "tiny", "prompt": ', {400}),
 ]
+
+
+REFUSED = [  # (path, body) a worker refuses with a 400, each of a shape the router's own parsing must survive
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": 5}'),
+    *(("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+                               b'"text": %s}]}]}' % text) for text in (b"5", b"null")),
+    ("/v1/completions", b'{"model": "tiny", "prompt": ' + b"[" * 600 + b"1" + b"]" * 600 + b"}"),
+    ("/v1/completions", b"[" * 5000 + b"]" * 5000),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi"'),
+]
+
+
+def test_bodies_a_worker_refuses_get_its_own_answer_through_the_router(replicas):
+    urls, _ = replicas
+    with running_server(build_router_app(urls[:1], CacheAware(), 3600)) as router:
+        for path, body in REFUSED:
+            direct, relayed = (httpx.post(base + path, content=body, headers={"content-type": "application/json"},
+                                          timeout=TIMEOUT) for base in (urls[0], router))
+            assert relayed.status_code == direct.status_code == 400, (body[:80], relayed.text)
+            assert relayed.json() == direct.json()
 
 
 def test_poison_requests_through_the_router_leave_every_replica_healthy(replicas):

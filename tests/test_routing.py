@@ -7,6 +7,7 @@ longest stored prefix of a key is its longest common prefix with any of them.
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings
@@ -17,6 +18,7 @@ from llmjax.serve.routing import ApproxRadixTree, CacheAware, Decision, LeastLoa
 
 SYSTEM_A = "You are a pirate. Answer every question in pirate speak, with at least one arr. " * 4
 SYSTEM_B = "Act as a careful lawyer. Cite the statute for every claim you make, and hedge. " * 4
+SALT = "3f2b8c1e-6d4a-4b9e-9a7c-2e5f8d1c0b6a"  # a tenant's cache_salt, longer than the texts below
 
 
 def naive_match(keys: list[str], key: str) -> int:
@@ -80,17 +82,32 @@ def test_cache_aware_sends_a_prefix_family_to_one_worker():
         assert (d.worker, d.reason) == (first.worker, "cache_hit")
 
 
-def test_cache_threshold_is_a_strict_lower_bound_on_the_match_rate():
+@pytest.mark.parametrize("tenant", [None, SALT])
+def test_cache_threshold_is_a_strict_lower_bound_on_the_match_rate(tenant):
+    """The match rate is the text's matched share: a tenant's prefix changes no decision."""
     loads = {"w0": 1, "w1": 0}
     at_threshold = CacheAware(cache_threshold=0.5)
-    at_threshold.tree("w0").insert("x" * 50)
-    assert at_threshold.select("x" * 50 + "y" * 50, loads) == Decision("w1", "cache_miss")
+    at_threshold.tree("w0").insert(routing_key("x" * 50, tenant))
+    assert at_threshold.select("x" * 50 + "y" * 50, loads, tenant) == Decision("w1", "cache_miss")
     above = CacheAware(cache_threshold=0.5)
-    above.tree("w0").insert("x" * 51)
-    assert above.select("x" * 51 + "y" * 49, loads) == Decision("w0", "cache_hit")
-    zero = CacheAware(cache_threshold=0.0)  # any match at all wins
-    zero.tree("w0").insert("x")
-    assert zero.select("x" + "y" * 99, loads) == Decision("w0", "cache_hit")
+    above.tree("w0").insert(routing_key("x" * 51, tenant))
+    assert above.select("x" * 51 + "y" * 49, loads, tenant) == Decision("w0", "cache_hit")
+    zero = CacheAware(cache_threshold=0.0)  # any match of the text at all wins
+    zero.tree("w0").insert(routing_key("x", tenant))
+    assert zero.select("x" + "y" * 99, loads, tenant) == Decision("w0", "cache_hit")
+    assert zero.select("y" * 100, loads, tenant).reason == "cache_miss"  # the tenant's prefix alone: no match
+
+
+def test_unrelated_texts_of_one_tenant_spread_like_untenanted_ones():
+    policy = CacheAware()
+    loads = {"w0": 0, "w1": 0}
+    decisions = []
+    for i in range(8):
+        d = policy.select(f"{chr(ord('a') + i)} question {i}?", loads, tenant=SALT)
+        loads[d.worker] += 1
+        decisions.append(d)
+    assert {d.reason for d in decisions} == {"cache_miss"}
+    assert Counter(d.worker for d in decisions) == {"w0": 4, "w1": 4}
 
 
 def test_cache_miss_goes_to_the_least_loaded_worker_then_the_smaller_tree():
@@ -133,12 +150,12 @@ def test_evicted_prefixes_no_longer_attract_requests():
 def test_tenants_do_not_pull_each_others_traffic():
     policy = CacheAware()
     loads = {"w0": 0, "w1": 0}
-    a = policy.select(routing_key(SYSTEM_A, "tenant-a"), loads)
+    a = policy.select(SYSTEM_A, loads, tenant="tenant-a")
     loads[a.worker] += 1
-    b = policy.select(routing_key(SYSTEM_A, "tenant-b"), loads)
+    b = policy.select(SYSTEM_A, loads, tenant="tenant-b")
     assert b.reason == "cache_miss" and b.worker != a.worker
     loads[b.worker] += 5  # even when the tenant's own worker is busier, same-tenant text sticks to it
-    assert policy.select(routing_key(SYSTEM_A + "more", "tenant-b"), loads) == Decision(b.worker, "cache_hit")
+    assert policy.select(SYSTEM_A + "more", loads, tenant="tenant-b") == Decision(b.worker, "cache_hit")
     assert routing_key("text") == "text"
 
 
@@ -161,6 +178,13 @@ def test_round_robin_and_least_load():
     assert make_policy("round_robin", cache_threshold=0.9).name == "round_robin"
 
 
+def _nested(depth: int) -> list:
+    value = [1]
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
 def test_request_text():
     assert request_text({"prompt": "hello"}, chat=False) == "hello"
     assert request_text({"prompt": [1, 22, 333]}, chat=False) == "1 22 333"
@@ -168,5 +192,30 @@ def test_request_text():
     messages = [{"role": "system", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]
     assert request_text({"messages": messages}, chat=True) == "system\nbe brief\nuser\nhi there\n"
-    for bad in (None, [], {"prompt": 3}, {"prompt": []}, {"messages": "x"}):
+    for bad in (None, [], {"prompt": 3}, {"prompt": []}, {"messages": "x"}, {"messages": 5}):
         assert request_text(bad, chat=False) == request_text(bad, chat=True) == ""
+    odd_parts = [{"role": "user", "content": [{"type": "text", "text": 5}, {"type": "text", "text": None},
+                                              {"type": "text", "text": "ok"}]}, {"role": 1, "content": 2}]
+    assert request_text({"messages": odd_parts}, chat=True) == "user\nok\n\n\n"  # other shapes count as ""
+    assert request_text({"prompt": ["ab", [[1]], 3]}, chat=False) == "ab\n\n"
+    deep = _nested(5000)  # deeper than Python's recursion limit
+    assert request_text({"prompt": deep}, chat=False) == request_text({"messages": deep}, chat=True) == ""
+    assert request_text({"messages": [{"content": deep}]}, chat=True) == "\n\n"
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["prompt", "messages", "role", "content", "text", "type"]) | st.text(max_size=3), inner,
+        max_size=3),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values)
+def test_request_text_of_any_json_is_a_string(value):
+    """Whatever the body's shape, the router gets a text (the worker judges the body)."""
+    for body in (value, {"prompt": value}, {"prompt": [value]}, {"messages": value}, {"messages": [value]},
+                 {"messages": [{"role": value, "content": value}]}, {"messages": [{"content": [value]}]}):
+        for chat in (False, True):
+            assert isinstance(request_text(body, chat), str)

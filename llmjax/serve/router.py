@@ -3,8 +3,10 @@
 `build_router_app(urls, policy)` -> FastAPI app; `app.state.router` is the `Router`.
 
 - `/v1/completions`, `/v1/chat/completions`: the policy (`llmjax/serve/routing.py`) picks a worker
-  from the request's routing key: `cache_salt` (the tenant) plus `request_text(body)`. The worker's
-  response is relayed as it arrives, chunk by chunk (SSE streams included), with its status code
+  from the request's tenant (`cache_salt`) and text (`request_text(body)`). Parts of another
+  shape count as "" (a body that is no JSON at all: no text, no tenant) and the request is
+  relayed all the same: the worker's own answer (a 400) reaches the client. The worker's response
+  is relayed as it arrives, chunk by chunk (an SSE stream event by event), with its status code
   and content type; the header `x-llmjax-worker` names the worker.
 - `/v1/models`, `/tokenize`, `/detokenize`: relayed to the least-loaded healthy worker, and so are
   CORS preflights (`OPTIONS`) of every relayed path: the workers' `--allowed-origins` answers them,
@@ -15,8 +17,10 @@
   it is. Only a refused connection takes the worker down at once; an answer, even a 503 or a 500,
   never does (its `/health` decides), and neither does a dropped connection (a keep-alive
   connection the worker closed as it was reused looks the same). A worker that fails later ends
-  the relayed body (an SSE stream gets an OpenAI error event and `[DONE]`). A client that
-  disconnects first closes the worker's response, so the worker aborts the request.
+  the relayed body: an SSE stream loses the incomplete event and gets an OpenAI error event and
+  `[DONE]` (nothing more once the worker's `[DONE]` has been relayed); any other body is cut
+  short (the client's connection is dropped). A client that disconnects first closes the
+  worker's response, so the worker aborts the request.
 - Health: every `health_check_interval` seconds each worker's `/health` is fetched. A worker goes
   down after `health_failure_threshold` failed checks in a row (a busy replica may answer late; a
   request that cannot reach it takes it down at once) and is back on the first 200. A down worker
@@ -64,28 +68,40 @@ RELAYED_PATHS = (("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detoke
 
 def request_text(body: Any, chat: bool) -> str:
     """The text a request is matched on: the chat messages concatenated (role, newline, content,
-    newline each), or the completion prompt: a string as is, token ids joined by spaces, several
-    prompts joined by newlines. Anything malformed gives "" (the worker will refuse it)."""
+    newline each; the text parts of a content list joined), or the completion prompt: a string as
+    is, token ids joined by spaces, several prompts joined by newlines. Never raises, whatever the
+    JSON: a part of another shape counts as "" (the worker will refuse it)."""
     if not isinstance(body, dict):
         return ""
     if chat:
-        parts = []
-        for message in body.get("messages") or []:
-            if not isinstance(message, dict):
-                continue
-            content = message.get("content")
-            if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            parts.append(f"{message.get('role', '')}\n{content or ''}\n")
-        return "".join(parts)
+        messages = body.get("messages")
+        return "".join(f"{_str(m.get('role'))}\n{_content_text(m.get('content'))}\n"
+                       for m in (messages if isinstance(messages, list) else []) if isinstance(m, dict))
     prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if not isinstance(prompt, list) or not prompt:
-        return ""
-    if all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and prompt and not _is_token_ids(prompt):  # several prompts
+        return "\n".join(_prompt_text(p) for p in prompt)
+    return _prompt_text(prompt)
+
+
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(_str(part.get("text")) for part in content if isinstance(part, dict))
+    return _str(content)
+
+
+def _is_token_ids(prompt: list) -> bool:
+    return all(isinstance(t, int) for t in prompt)
+
+
+def _prompt_text(prompt: Any) -> str:
+    """One prompt: a string, or token ids joined by spaces."""
+    if isinstance(prompt, list) and _is_token_ids(prompt):
         return " ".join(map(str, prompt))
-    return "\n".join(request_text({"prompt": p}, False) for p in prompt)
+    return _str(prompt)
 
 
 @dataclass
@@ -123,7 +139,14 @@ class _Relay(StreamingResponse):
     """Relays a worker's response from its first chunk on; however the relay ends (done, client
     gone, worker failed), it lets go of the worker's response (its connection goes back to the pool
     when the body was read to the end, and is closed otherwise, so the worker sees the client go)
-    and calls `on_close`."""
+    and calls `on_close`.
+
+    A worker that fails mid-body: an SSE stream (`text/event-stream`) is relayed one complete event
+    at a time (each ends with a blank line), so the client never gets half an event; on the failure
+    the incomplete event is dropped and, unless the worker's `data: [DONE]` has gone out (then the
+    stream just ends), an OpenAI error event and `data: [DONE]` follow. Any other body re-raises the
+    failure, so the server drops the connection and the client sees the body cut short, as it would
+    from the worker, never a complete-looking answer."""
 
     def __init__(self, upstream: aiohttp.ClientResponse, first: bytes, rest: AsyncIterator[bytes], worker_url: str,
                  on_close: Callable[[], None]):
@@ -133,15 +156,30 @@ class _Relay(StreamingResponse):
         self.sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
     async def _chunks(self, first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        yield first
+        body = _prepended(first, rest)
+        if not self.sse:
+            try:
+                async for chunk in body:
+                    yield chunk
+            except aiohttp.ClientError as exc:
+                log.warning("worker %s failed mid-response; dropping the client's connection: %r", self.worker_url, exc)
+                raise
+            return
+        tail, done = b"", False  # the incomplete event held back; whether `data: [DONE]` has gone out
         try:
-            async for chunk in rest:
-                yield chunk
+            async for chunk in body:
+                events, blank, tail = (tail + chunk).rpartition(b"\n\n")
+                if blank:
+                    done = done or events.rpartition(b"\n")[2] == b"data: [DONE]"
+                    yield events + blank
         except aiohttp.ClientError as exc:
-            log.warning("worker %s failed mid-response: %r", self.worker_url, exc)
-            if self.sse:
+            log.warning("worker %s failed mid-stream: %r", self.worker_url, exc)
+            if not done:
                 error = error_body(f"worker failed mid-stream: {exc!r}", "internal_server_error", code=502)
-                yield f"\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+                yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        else:
+            if tail:  # an unterminated last event: the worker ended there, so relayed as it is
+                yield tail
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -149,6 +187,13 @@ class _Relay(StreamingResponse):
         finally:
             _let_go(self.upstream)
             self.on_close()
+
+
+async def _prepended(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`first`, then the chunks of `rest`."""
+    yield first
+    async for chunk in rest:
+        yield chunk
 
 
 def _let_go(upstream: aiohttp.ClientResponse) -> None:
@@ -258,11 +303,11 @@ class Router:
         """Relay one request: to the policy's choice (`routed`) or the least-loaded worker, then to
         the others in turn while they fail before the first byte."""
         body = await request.body()
-        key = _routing_key(path, body) if routed else ""
+        text, tenant = _routing_input(path, body) if routed else ("", None)
         tried: set[str] = set()
         while loads := self.loads(exclude=tried):
             if routed:
-                decision = self.policy.select(key, loads)
+                decision = self.policy.select(text, loads, tenant)
                 self.decisions.labels(self.policy.name, decision.reason).inc()
                 url = decision.worker
             else:
@@ -343,14 +388,16 @@ class Router:
         return [asdict(w) for w in self.workers.values()]
 
 
-def _routing_key(path: str, body: bytes) -> str:
+def _routing_input(path: str, body: bytes) -> tuple[str, str | None]:
+    """(`request_text`, tenant: a string `cache_salt` or None) of a request body. Never raises: a
+    body that is no JSON at all (malformed, not UTF-8, nested too deeply) gives ("", None), and
+    the worker it goes to answers it (400) as it would without the router."""
     try:
         payload = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         payload = None
     tenant = payload.get("cache_salt") if isinstance(payload, dict) else None
-    return routing.routing_key(request_text(payload, path.endswith("/chat/completions")),
-                               tenant if isinstance(tenant, str) else None)
+    return request_text(payload, path.endswith("/chat/completions")), tenant if isinstance(tenant, str) else None
 
 
 def build_router_app(urls: list[str], policy: routing.RoutingPolicy, health_check_interval: float = 10.0,

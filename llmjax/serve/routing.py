@@ -1,20 +1,22 @@
 """Routing policies: which replica serves a request. Pure Python, no I/O, no clock.
 
 The same objects drive the HTTP router (`llmjax/serve/router.py`) and the simulated cluster
-(`experiments/routing.py`). A policy sees a request's routing key (`routing_key`: its tenant and
-its text) and the load of each candidate worker (requests in flight through the router, on the
-healthy workers only), and returns a `Decision`: the worker and why.
+(`experiments/routing.py`). A policy sees a request's text, its tenant (`cache_salt`, or None) and
+the load of each candidate worker (requests in flight through the router, on the healthy workers
+only), and returns a `Decision`: the worker and why.
 
 - `round_robin`: the candidates in turn.
 - `least_load`: the candidate with the fewest requests in flight (ties: the earlier worker).
-- `cache_aware` (SGLang router's rule): each worker has an `ApproxRadixTree` of the keys recently
-  sent to it (characters, not tokens: no tokenizer needed). If the load is imbalanced,
-  `max - min > balance_abs_threshold` and `max > balance_rel_threshold * min`, the least-loaded
-  worker gets the request. Otherwise the worker whose tree shares the longest prefix with the key
-  gets it if that prefix is more than `cache_threshold` of the key; else the least-loaded worker
-  (ties: the smaller tree, then the earlier worker). SGLang sends that last case to the smallest
-  tree instead; least load spreads new prefix families over idle replicas first. Every decision,
-  imbalanced ones included, inserts the key into the chosen worker's tree.
+- `cache_aware` (SGLang router's rule): each worker has an `ApproxRadixTree` of the keys
+  (`routing_key`: tenant, then text) recently sent to it (characters, not tokens: no tokenizer
+  needed). If the load is imbalanced, `max - min > balance_abs_threshold` and
+  `max > balance_rel_threshold * min`, the least-loaded worker gets the request. Otherwise the
+  worker whose tree shares the longest prefix with the key gets it if the text it matches (the
+  tenant's prefix not counted: alone it matches nothing) is more than `cache_threshold` of the
+  text; else the least-loaded worker (ties: the smaller tree, then the earlier worker). SGLang
+  sends that last case to the smallest tree instead; least load spreads new prefix families over
+  idle replicas first. Every decision, imbalanced ones included, inserts the key into the chosen
+  worker's tree.
 
 Not thread-safe: one owner calls a policy (the router's event loop, or the simulation driver).
 """
@@ -42,8 +44,8 @@ POLICIES = ("cache_aware", "round_robin", "least_load")
 
 
 def routing_key(text: str, tenant: str | None = None) -> str:
-    """The key a request is routed on: the tenant (`cache_salt`) and a NUL first, so one tenant's
-    text never matches another's, then the request's text."""
+    """The key `CacheAware` stores a request under: the tenant (`cache_salt`) and a NUL first, so
+    one tenant's text never matches another's, then the request's text."""
     return f"{tenant}\x00{text}" if tenant else text
 
 
@@ -169,13 +171,14 @@ class Decision:
 
 
 class RoutingPolicy:
-    """Base class. `select(key, loads)`: `loads` maps each candidate worker (healthy, in the
-    router's order) to its requests in flight; ValueError when it is empty. `forget(worker)` drops
-    what the policy remembers of a worker (its cache is presumed lost: it died or restarted)."""
+    """Base class. `select(text, loads, tenant=None)`: the request's text and tenant (`cache_salt`);
+    `loads` maps each candidate worker (healthy, in the router's order) to its requests in flight;
+    ValueError when it is empty. `forget(worker)` drops what the policy remembers of a worker (its
+    cache is presumed lost: it died or restarted)."""
 
     name = ""
 
-    def select(self, key: str, loads: Mapping[Worker, int]) -> Decision:
+    def select(self, text: str, loads: Mapping[Worker, int], tenant: str | None = None) -> Decision:
         raise NotImplementedError
 
     def forget(self, worker: Worker) -> None:
@@ -193,7 +196,7 @@ class RoundRobin(RoutingPolicy):
     def __init__(self):
         self._next = 0
 
-    def select(self, key: str, loads: Mapping[Worker, int]) -> Decision:
+    def select(self, text: str, loads: Mapping[Worker, int], tenant: str | None = None) -> Decision:
         _check(loads)
         workers = list(loads)
         worker = workers[self._next % len(workers)]
@@ -204,7 +207,7 @@ class RoundRobin(RoutingPolicy):
 class LeastLoad(RoutingPolicy):
     name = "least_load"
 
-    def select(self, key: str, loads: Mapping[Worker, int]) -> Decision:
+    def select(self, text: str, loads: Mapping[Worker, int], tenant: str | None = None) -> Decision:
         _check(loads)
         return Decision(min(loads, key=loads.__getitem__), "least_load")
 
@@ -238,9 +241,11 @@ class CacheAware(RoutingPolicy):
         lo, hi = min(loads.values()), max(loads.values())
         return hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo
 
-    def select(self, key: str, loads: Mapping[Worker, int]) -> Decision:
+    def select(self, text: str, loads: Mapping[Worker, int], tenant: str | None = None) -> Decision:
         _check(loads)
         workers = list(loads)
+        key = routing_key(text, tenant)
+        tenant_chars = len(key) - len(text)
 
         def least_loaded() -> Worker:
             return min(workers, key=lambda w: (loads[w], self.tree(w).num_chars))
@@ -248,9 +253,9 @@ class CacheAware(RoutingPolicy):
         if self.imbalanced(loads):
             decision = Decision(least_loaded(), "imbalanced")
         else:
-            matched = {w: self.tree(w).match(key) for w in workers}
+            matched = {w: max(self.tree(w).match(key) - tenant_chars, 0) for w in workers}  # of the text
             best = min(workers, key=lambda w: (-matched[w], loads[w]))
-            if key and matched[best] / len(key) > self.cache_threshold:
+            if text and matched[best] / len(text) > self.cache_threshold:
                 decision = Decision(best, "cache_hit")
             else:
                 decision = Decision(least_loaded(), "cache_miss")
