@@ -9,7 +9,9 @@ Workloads (`--dataset`):
 - `prefix`: `--prefix-groups G` groups; a request is its group's shared system prompt
   (`--prefix-len` tokens) plus a random suffix of `--random-input-len` tokens.
 - `multiturn`: `--num-prompts` conversations of `--turns` turns; each turn resends the whole
-  history (earlier prompts and the model's replies, as text) plus a new user message.
+  history (earlier prompts and the model's replies, as text) plus a new user message. A
+  conversation stops at a failed turn or at a turn that would no longer fit the model; the turns
+  it did not send are reported (`unsent_turns`).
 
 Arrivals: a Poisson process at `--request-rate` (inf: all at once), and at most
 `--max-concurrency` requests in flight. Every request is a streamed `/v1/completions` call
@@ -164,6 +166,7 @@ class Workload:
         self.max_len = max_model_len
         self.rng = np.random.default_rng(args.seed)
         self.detokenize = detokenize
+        self.unsent_turns = 0  # multiturn: turns of conversations that stopped early
 
     def _ids(self, n: int) -> list[int]:
         lo, hi = self.args.token_range
@@ -219,13 +222,15 @@ class Workload:
 
         async def job(send):
             history, used = "", 0
-            for user, (n_in, n_out) in zip(users, turns):
-                if used + n_in + n_out > self.max_len:
-                    break  # the conversation no longer fits the model
+            for sent, (user, (n_in, n_out)) in enumerate(zip(users, turns)):
+                if used + n_in + n_out > self.max_len:  # the conversation no longer fits the model
+                    self.unsent_turns += len(turns) - sent
+                    return
                 prompt = f"{history}{user}"
                 result = await send(self._payload(prompt, n_out))
                 if not result.ok:
-                    break
+                    self.unsent_turns += len(turns) - sent - 1
+                    return
                 history, used = prompt + result.text, result.prompt_tokens + result.output_tokens
         return job
 
@@ -294,6 +299,8 @@ def format_table(summary: dict) -> str:
              f"{'Output token throughput (tok/s):':<36}{summary['output_throughput']:>12.2f}",
              f"{'Total token throughput (tok/s):':<36}{summary['total_token_throughput']:>12.2f}"]
     lines.append(f"{'Stream events per request:':<36}{summary['stream_events_per_request']:>12.2f}")
+    if "unsent_turns" in summary:
+        lines.append(f"{'Turns not sent (stopped early):':<36}{summary['unsent_turns']:>12}")
     if "request_goodput" in summary:
         lines.append(f"{'Request goodput (req/s):':<36}{summary['request_goodput']:>12.2f}")
     lines.append(f"{'(ms)':<10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
@@ -348,9 +355,12 @@ async def _bench(args: argparse.Namespace) -> dict:
         def detokenize(ids: list[int]) -> str:  # called while the jobs are built, before any request runs
             return httpx.post(f"{args.base_url}/detokenize", json={"tokens": ids}).json()["prompt"]
 
-        jobs, total = Workload(args, card["max_model_len"], detokenize).jobs()
+        workload = Workload(args, card["max_model_len"], detokenize)
+        jobs, total = workload.jobs()
         results, duration = await run_jobs(session, jobs, total, args.request_rate, args.max_concurrency, args.seed)
     summary = summarize(results, duration, slos)
+    if args.dataset == "multiturn":
+        summary["unsent_turns"] = workload.unsent_turns
     summary.update(dataset=args.dataset, request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                    model=args.model)
     return summary

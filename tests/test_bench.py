@@ -77,8 +77,19 @@ def test_prefix_dataset_shares_each_groups_prompt_head(base_url):
 def test_multiturn_dataset_runs_every_turn_on_text_prompts(base_url):
     summary = bench(base_url, "--dataset", "multiturn", "--num-prompts", "2", "--turns", "3",
                     "--random-input-len", "6", "--random-output-len", "3", "--seed", "3")
-    assert (summary["completed"], summary["failed"]) == (2 * 3, 0)
+    assert (summary["completed"], summary["failed"], summary["unsent_turns"]) == (2 * 3, 0, 0)
     assert summary["total_output_tokens"] == 2 * 3 * 3
+
+
+def test_multiturn_conversations_that_stop_early_report_their_unsent_turns(base_url, capsys):
+    """Turns of 40 tokens and replies of 10 outgrow the 128-token model within a few turns: every
+    turn of every conversation is sent, failed, or reported unsent."""
+    summary = bench(base_url, "--dataset", "multiturn", "--num-prompts", "2", "--turns", "6",
+                    "--random-input-len", "40", "--random-output-len", "10", "--seed", "3")
+    assert 0 < summary["unsent_turns"] < 2 * 6
+    assert summary["completed"] + summary["failed"] + summary["unsent_turns"] == 2 * 6
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Turns not sent")]
+    assert line.split()[-1] == str(summary["unsent_turns"])
 
 
 def test_failed_requests_are_counted_and_their_errors_shown(base_url, capsys):
