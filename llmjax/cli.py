@@ -16,7 +16,7 @@ import sys
 
 from llmjax import cli_types
 from llmjax.cli_types import UsageError
-from llmjax.config import ConfigError
+from llmjax.config import ConfigError, EngineConfig
 from llmjax.engine_args import add_engine_args, engine_config_from_args, exit_on_user_error
 from llmjax.serve.server import UVICORN_LOG_LEVELS, add_keep_alive_arg, add_serve_args
 
@@ -27,6 +27,16 @@ def check_engine_args(args: argparse.Namespace) -> None:
         engine_config_from_args(args)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
+
+
+def check_generate_args(args: argparse.Namespace) -> None:
+    """UsageError for an engine flag that would have no effect on one whole answer: the stream
+    interval (nothing is streamed) and the queue order (one request never queues behind another)."""
+    default = EngineConfig()
+    if args.stream_interval != default.stream_interval:
+        raise UsageError("--stream-interval has no effect on generate: its answer is not streamed")
+    if args.queue_order != default.queue_order:
+        raise UsageError("--queue-order has no effect on generate: its one request never waits behind another")
 
 
 def sampling_params_from_args(args: argparse.Namespace):
@@ -95,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.set_defaults(func=cmd_generate, checks=(check_engine_args, sampling_params_from_args))
+    gen.set_defaults(func=cmd_generate, checks=(check_engine_args, check_generate_args, sampling_params_from_args))
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     add_engine_args(serve)

@@ -46,8 +46,8 @@ class LLM:
         if isinstance(prompt, Mapping):
             if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
                 return prompt["prompt"]
-            if set(prompt) == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], Sequence):
-                return [int(t) for t in prompt["prompt_token_ids"]]
+            if set(prompt) == {"prompt_token_ids"} and not isinstance(prompt["prompt_token_ids"], str):
+                return prompt["prompt_token_ids"]  # the engine checks they are integer ids
         raise TypeError('a prompt is a string, {"prompt": str} or {"prompt_token_ids": [int, ...]} '
                         f"(chat conversations go through LLM.chat), got {prompt!r:.80}")
 

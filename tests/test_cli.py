@@ -86,7 +86,10 @@ def test_batching_flags_reach_the_config_of_their_policy_and_default_otherwise()
 
 @pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "temperature must be >= 0"),
                                             (["--max-tokens", "0"], "max_tokens"),
-                                            (["--top-p", "1.5"], "top_p")])
+                                            (["--top-p", "1.5"], "top_p"),
+                                            (["--stream-interval", "4"], "--stream-interval has no effect"),
+                                            (["--queue-order", "lpm", "--enable-prefix-caching"],
+                                             "--queue-order has no effect")])
 def test_generate_checks_its_sampling_values_before_building_the_engine(usage_error, flags, message):
     usage_error(["generate", "tiny-gqa", "--prompt", "hi", *flags], message)
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from llmjax.config import EngineConfig
+from llmjax.engine import RequestError
 from llmjax.llm import LLM
 from llmjax.sampling_params import SamplingParams
 from tests.engine_helpers import GREEDY, REF_LEN, dense_greedy, dense_logits, drain
@@ -42,6 +43,11 @@ def test_prompt_forms_and_output_shape(llm):
         llm.generate([ids], GREEDY)
     with pytest.raises(TypeError, match="LLM.chat"):
         llm.generate([[{"role": "user", "content": "hi"}]], GREEDY)
+    for bad in ([1.9, 2.2], [True, 504], 504):  # never turned into other ids
+        with pytest.raises(RequestError, match="integer token ids"):
+            llm.generate({"prompt_token_ids": bad}, GREEDY, use_tqdm=False)
+    with pytest.raises(TypeError, match="prompt_token_ids"):  # a string is no list of ids (nor text here)
+        llm.generate({"prompt_token_ids": "504"}, GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
 
 
