@@ -13,10 +13,9 @@ wait for the device. Synchronous: host = wall - wait. Asynchronous: the next ste
 before the host waits for the previous one, so the host's work runs while the device computes;
 hidden share = (sync wall - async wall) / sync host time, i.e. how much of the host's time no
 longer adds to a step. The synchronous and asynchronous engines run side by side in one process (a fresh one per
-setting), timed in alternating blocks, so both see the same machine. The share can pass 100%: a device step
-that follows the previous one at once (asynchronous) can take less time than one started after the
-device sat idle through the host's phases (its threads asleep, its data out of cache), and the
-synchronous wait counts that restart. On this CPU the "device" is XLA's threads on the same 2 cores as the Python
+setting), timed in alternating blocks, so both see the same machine. An asynchronous block ends when its last step
+has computed, so neither engine's device work runs on into the other's block (left in flight, it would
+slow the next synchronous block and speed the asynchronous one, and inflate the share). On this CPU the "device" is XLA's threads on the same 2 cores as the Python
 thread, so overlap is limited by the cores as well as by the pipeline. For the same reason a phase's
 wall time can include stretches where XLA's threads had the Python thread's core: `cpu` is the
 engine thread's own CPU time per step (`time.thread_time`), the host work itself, and `runtime_cpu`
@@ -115,7 +114,9 @@ def time_runtime_calls(engine) -> list[float]:
 def measure(n: int, output_kind: str, blocks: int, steps: int) -> dict:
     """Seconds per steady decode step (wall and each phase) of a synchronous and an asynchronous
     engine, timed in alternating blocks of `steps` steps (so both see the same machine); each field
-    is its median over the blocks; `hidden_pairs`: the hidden share of each pair of blocks. `cpu`:
+    is its median over the blocks; `hidden_pairs`: the hidden share of each pair of blocks. An
+    asynchronous block ends once its last step has computed (`wait_in_flight`), so each block holds
+    the device work of its own steps and none runs on into the other engine's block. `cpu`:
     the engine thread's CPU time. Then one more block per engine with the runtime calls timed
     (`runtime_cpu`: the engine thread's CPU inside the jitted call and the fetch), apart from the
     timed blocks: reading the thread's clock right after the launch hands the core to XLA's threads
@@ -128,6 +129,7 @@ def measure(n: int, output_kind: str, blocks: int, steps: int) -> dict:
             before, t0, c0 = counters(engine), time.perf_counter(), time.thread_time()
             for _ in range(steps):
                 engine.step()
+            engine.wait_in_flight()  # the block's last step computes inside it, not in the next block
             wall, cpu = (time.perf_counter() - t0) / steps, (time.thread_time() - c0) / steps
             after = counters(engine)
             samples[mode].append({"wall": wall, "cpu": cpu, **{k: (after[k] - before[k]) / steps for k in after}})

@@ -348,6 +348,13 @@ class LLMEngine:
             outputs += self._complete(*completing)
         return outputs
 
+    def wait_in_flight(self) -> None:
+        """Block until the step left in flight by asynchronous scheduling has computed (its results
+        are applied by the next `step()`); a no-op without one. For measurements that must not leave
+        device work running past their end."""
+        if self._inflight is not None:
+            jax.block_until_ready(self._inflight[1].packed)
+
     def _complete(self, out: SchedulerOutput, inflight: InFlight) -> list[RequestOutput]:
         """Fetch a dispatched step's tokens and apply them; its delta outputs."""
         try:
