@@ -185,6 +185,7 @@ def replay_engine(engine, requests: list[TraceRequest], progress: str | None = N
                          "(TraceRequest.after) needs the simulator")
     pending = sorted(requests, key=lambda r: r.arrival)
     sched = engine.scheduler
+    preempted_before = sched.num_preemptions
     steps: StepLog = []
     shifts: list[tuple[float, float]] = []  # (monotonic time a compiling step started, its duration)
     outputs = []
@@ -233,7 +234,8 @@ def replay_engine(engine, requests: list[TraceRequest], progress: str | None = N
                       len(o.prompt_token_ids))
                for o in outputs]
     duration = max(t.token_times[-1] for t in timings)
-    return Replay(timings, steps, duration, slots_of(engine.config), compiles=len(shifts))
+    return Replay(timings, steps, duration, slots_of(engine.config), compiles=len(shifts),
+                  extra={"preemptions": sched.num_preemptions - preempted_before})
 
 
 # --- plots and reports -----------------------------------------------------------------------------------
