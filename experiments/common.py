@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -155,6 +155,11 @@ def make_engine(model: str | None, config: EngineConfig):
     return LLMEngine(loaded, tokenizer, config)
 
 
+def all_at_once(requests: list[TraceRequest]) -> list[TraceRequest]:
+    """The same requests, all arriving at t=0 (an offline batch: what a policy serves at capacity)."""
+    return [replace(r, arrival=0.0) for r in requests]
+
+
 def warm_engine(engine, requests: list[TraceRequest], full_pass: bool = True) -> None:
     """Compile the (T, S, B, decode_only) buckets serving `requests` will use: the trace is replayed in the
     simulator with its arrivals and all at t=0 (the wall-clock schedule lies between the two); with
@@ -165,7 +170,7 @@ def warm_engine(engine, requests: list[TraceRequest], full_pass: bool = True) ->
     def observe(sim, out, dt):
         shapes.add((*out.bucket, out.decode_only))
 
-    for reqs in (requests, [TraceRequest(r.request_id, 0.0, r.prompt, r.output_len) for r in requests]):
+    for reqs in (requests, all_at_once(requests)):
         kv = KVCacheManager(engine.num_blocks, config.block_size, config.enable_prefix_caching)
         Simulator(config, kv, SIM_COST, [observe]).run(reqs)
     runner.warmup(sorted(shapes))
