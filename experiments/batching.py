@@ -44,8 +44,8 @@ from paper_repro.traces import length_trace  # noqa: E402
 CPU_DIST = LengthDist("short", mean_prompt=80, mean_output=40, sigma_prompt=0.8, sigma_output=0.8)
 POLICIES = ("static", "dynamic", "continuous", "continuous + chunked")
 CAPACITY_COLUMNS = [("policy", "policy", ""), ("tokens_per_s", "output tok/s", ".1f"),
-                    ("speedup", "vs static", ".2f"), ("duration_s", "makespan (s)", ".1f"),
-                    ("steps", "steps", "d"), ("idle_slots", "idle slots", ".0%")]
+                    ("speedup", "vs static", ".2f"), ("duration_s", "makespan (s)", ".2f"),
+                    ("steps", "steps", "d"), ("ms_per_step", "ms per step", ".1f"), ("idle_slots", "idle slots", ".0%")]
 LOAD_COLUMNS = [("policy", "policy", ""), ("tokens_per_s", "served tok/s", ".1f"),
                 ("ttft_p50_ms", "TTFT p50 (ms)", ".0f"), ("ttft_p99_ms", "TTFT p99 (ms)", ".0f"),
                 ("tpot_p50_ms", "TPOT p50 (ms)", ".1f"), ("itl_p99_ms", "ITL p99 (ms)", ".1f"),
@@ -67,6 +67,7 @@ def rows_of(replays: dict) -> list[dict]:
     rows = [{"policy": p, **r.stats()} for p, r in replays.items()]
     for row in rows:
         row["speedup"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+        row["ms_per_step"] = row["duration_s"] / row["steps"] * 1e3
     return rows
 
 
@@ -123,6 +124,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rate", type=float, default=16.0, help="CPU trace arrivals per second")
     ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--capacity-passes", type=int, default=5,
+                    help="CPU passes at capacity per policy (short on a tiny model); the median one is reported")
     ap.add_argument("--sim-requests", type=int, default=600)
     ap.add_argument("--sim-rate", type=float, default=1.5)
     ap.add_argument("--sim-slots", type=int, default=32)
@@ -141,7 +144,9 @@ def main() -> None:
     for policy, cfg in cpu_cfgs.items():
         engine = make_engine("tiny-gqa", cfg.replace(kv_cache_memory_bytes=64 << 20))
         warm_engine(engine, cpu_trace)
-        cpu_cap[policy] = replay_engine(engine, all_at_once(cpu_trace), progress=f"CPU {policy}, all at t=0")
+        passes = sorted((replay_engine(engine, all_at_once(cpu_trace), progress=f"CPU {policy}, all at t=0, "
+                                       f"pass {k + 1}") for k in range(args.capacity_passes)), key=lambda r: r.duration)
+        cpu_cap[policy] = passes[(len(passes) - 1) // 2]  # the median pass by makespan
         cpu[policy] = replay_engine(engine, cpu_trace, progress=f"CPU {policy}, Poisson")
     sim_trace = length_trace(SHAREGPT, args.sim_requests, args.sim_rate, args.seed, vocab=50000,
                              max_model_len=2048, max_prompt_len=1024, name="r")
@@ -165,7 +170,9 @@ def main() -> None:
             f"Real engine on this CPU: tiny-gqa, {args.requests} requests, {args.slots} batch slots",
             f"Prompts ~{CPU_DIST.mean_prompt:.0f} tokens, outputs ~{CPU_DIST.mean_output:.0f} (log-normal); static "
             f"and dynamic batch size {args.slots}, dynamic max_delay 0.1 s, chunked prefill budget 64 tokens "
-            f"(else 256); Poisson {args.rate} requests/s. Compile stalls removed from the clock: "
+            f"(else 256); Poisson {args.rate} requests/s. At capacity, the median of {args.capacity_passes} "
+            "passes by makespan; its ms-per-step column shows what a fuller step costs on this tiny model, "
+            "which has few weights to amortize over the batch. Compile stalls removed from the clock: "
             f"{sum(r.compiles for r in (*cpu.values(), *cpu_cap.values()))} steps.",
             cpu_cap_rows, cpu_rows, cpu_offered),
         *world_section(
