@@ -72,18 +72,21 @@ def run_stream(m: KVCacheManager, prompts: list[list[int]], outputs: list[int], 
     waiting: deque[int] = deque(range(len(prompts)))
     tokens: dict[int, list[int]] = {}  # admitted request -> its tokens so far, all with KV slots
     running: dict[int, None] = {}
+    preempted: set[int] = set()
     with tqdm(total=len(prompts), unit="req", desc="stream") as bar:
         while waiting or running:
             while waiting and len(running) < num_running:
                 r = waiting[0]
                 seq = tokens.setdefault(r, list(prompts[r]))
-                if timed("allocate", m.allocate, r, seq, len(seq)) is None:  # whole prefill in one step
+                count_query = r not in preempted  # a re-admission is not another query (as in the scheduler)
+                if timed("allocate", m.allocate, r, seq, len(seq), None, count_query) is None:  # whole prefill
                     break
                 running[waiting.popleft()] = None
             for r in list(running):  # one decode step: a slot for each request's next token
                 seq = tokens[r]
                 if not timed("grow", m.grow, r, len(seq) + 1):
                     timed("preempt", m.free, r, seq)  # recompute later, with hits on its cached pages
+                    preempted.add(r)
                     del running[r]
                     waiting.appendleft(r)
                     continue
@@ -176,7 +179,8 @@ def main() -> None:
     busy = sum(s for _, s in cost.values())
     lines = [f"{args.num_requests} requests, {args.num_blocks} blocks of {args.block_size} tokens, "
              f"<= {args.num_running} running, {args.num_prefixes} shared prefixes; "
-             f"prefix hit rate {stats.hit_rate:.1%} ({stats.hit_tokens} of {stats.queried_tokens} prompt tokens), "
+             f"prefix hit rate {stats.hit_rate:.1%} ({stats.hit_tokens} of {stats.queried_tokens} prompt tokens at first "
+             "admission; a re-admission after preemption is not counted), "
              f"{stats.cached_blocks} blocks cached at the end.", "",
              "| operation | calls | mean µs/call | calls/s |", "| --- | ---: | ---: | ---: |"]
     for op, (n, s) in cost.items():

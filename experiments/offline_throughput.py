@@ -6,8 +6,9 @@ Workloads (random token ids, fixed seed, greedy, ignore_eos):
 Systems, each timed after a warm-up (no compilation in the timed pass; the count is printed):
   1. llmjax at its default settings (`LLM()`), and at its best (`--llmjax-best`, default the
      mixed-precision path: bfloat16 weights and KV cache, float32 accumulation);
-  2. HF transformers `generate` with static batches, swept over dtype x batch size x request order
-     (arrival order, or sorted by prompt length: HF's best practice against padding), torch threads
+  2. HF transformers `generate` with static batches, swept over dtype x batch size (sizes above the
+     number of requests count once, as that number) x request order (arrival order, or sorted by
+     prompt length: HF's best practice against padding), torch threads
      set to the cores, each configuration warmed up by a short generation of one of its batches;
      the best configuration is HF's baseline;
   3. llama.cpp through llama-cpp-python's C API, when the package is installed: continuously batched (as
@@ -298,6 +299,11 @@ class LlamaCpp:
         self.batch = lc.llama_batch_init(budget, 0, 1)
         self.vocab_size = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
 
+    def warm_up(self, prompts: list[list[int]]) -> None:
+        """Two tokens for a full set of slots, untimed: llama.cpp's first decodes touch its buffers and
+        start its threads."""
+        self.generate(prompts[: self.seqs], [2] * len(prompts[: self.seqs]))
+
     @staticmethod
     def weights_file(weights: str) -> Path:
         import llama_cpp as lc
@@ -398,7 +404,10 @@ def main() -> None:
     systems = args.systems.split(",")
     kv = dict(kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), max_model_len=1024)
     llmjax_settings = {"llmjax-default": kv, "llmjax-best": {**kv, **parse_settings(args.llmjax_best)}}
-    hf_grid = [(d, int(b), o) for d in args.hf_dtypes.split(",") for b in args.hf_batch_sizes.split(",")
+    hf_batches = sorted({min(int(b), n_req) for b in args.hf_batch_sizes.split(",")})  # at most every request
+    if len(hf_batches) < len(args.hf_batch_sizes.split(",")):
+        print(f"HF batch sizes above the {n_req} requests are one batch of {n_req}: sweeping {hf_batches}")
+    hf_grid = [(d, b, o) for d in args.hf_dtypes.split(",") for b in hf_batches
                for o in args.hf_orders.split(",")] if "hf" in systems else []
     if "llama.cpp" in systems:
         try:
@@ -448,7 +457,7 @@ def main() -> None:
     def llama_cpp_passes(run, name, count):
         engine = LlamaCpp(run["seqs"], max_len=1024, weights=run["dtype"])
         bar.set_postfix_str(f"{name}: warm-up")
-        engine.generate(prompts[: run["seqs"]], [2] * len(prompts[: run["seqs"]]))
+        engine.warm_up(prompts)
         for _ in range(count):
             bar.set_postfix_str(name)
             t = time.perf_counter()
@@ -531,6 +540,9 @@ def paired_passes(runs, engines, hf_models, pairs, prompts, outputs, bar, peer: 
     run, conf = engines[ours], runs[theirs]
     result = dict(llmjax=ours, peer=theirs, llmjax_s=[], peer_s=[], compiles=0)
     llama_cpp = LlamaCpp(conf["seqs"], max_len=1024, weights=conf["dtype"]) if peer == "llama.cpp" else None
+    if llama_cpp:
+        bar.set_postfix_str(f"paired: {theirs}: warm-up")
+        llama_cpp.warm_up(prompts)
 
     def pass_of(system):
         bar.set_postfix_str(f"paired: {ours if system == 'llmjax' else theirs}")

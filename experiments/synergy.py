@@ -56,13 +56,27 @@ def workload(n: int, prefixes: int, prefix_len: int, seed: int, vocab: int) -> l
 
 
 def run_hf(requests: list[TraceRequest], batch: int, dtype: str) -> Replay:
-    """HF `generate` in static batches; every request's token times are its batch's (HF returns at the end,
-    so all tokens of a batch are spread evenly over its decode: TTFT is the batch's first-token time, which
-    we do not observe, so it is approximated by batch start + one per-token interval)."""
+    """HF `generate` in static batches. Every decoding step's end is timed through `generate`'s streamer
+    hook (which receives each step's tokens as they are sampled), so a request's token times are the
+    times of its batch's first `output_len` steps: its TTFT includes its batch's padded prefill and the
+    batches queued before it."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
 
     from llmjax.models.loader import embedded_model_path
+
+    class StepClock(BaseStreamer):
+        """Records when each decoding step's tokens arrive (the first `put` is the prompt, not a step)."""
+
+        def __init__(self) -> None:
+            self.puts: list[float] = []
+
+        def put(self, value) -> None:
+            self.puts.append(time.perf_counter() - start)
+
+        def end(self) -> None:
+            pass
 
     path = embedded_model_path()
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype)).eval()
@@ -75,14 +89,15 @@ def run_hf(requests: list[TraceRequest], batch: int, dtype: str) -> Replay:
         for i, r in enumerate(group):  # left padding
             ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
             mask[i, width - len(r.prompt):] = 1
-        t0 = time.perf_counter() - start
+        clock = StepClock()
         with torch.no_grad():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=0, eos_token_id=None)
-        t1 = time.perf_counter() - start
-        per = (t1 - t0) / new
+                           do_sample=False, pad_token_id=0, eos_token_id=None, streamer=clock)
+        steps = clock.puts[1:]
+        if len(steps) != new:
+            raise RuntimeError(f"HF generate streamed {len(steps)} steps, expected {new}")
         for r in group:  # the batch runs `new` steps; a request's tokens are its first output_len of them
-            timings.append(Timing(r.request_id, 0.0, [t0 + per * (k + 1) for k in range(r.output_len)], len(r.prompt)))
+            timings.append(Timing(r.request_id, 0.0, steps[: r.output_len], len(r.prompt)))
     return Replay(timings, [], time.perf_counter() - start, batch)
 
 
@@ -190,8 +205,8 @@ def main() -> None:
         f"(max_model_len) tokens, which a contiguous cache fills with {args.slots} requests and the paged "
         f"cache with {paged_batch} (average request {mean_len:.0f} tokens). Chunk budget {args.chunk} tokens. "
         f"Rung 1 emulates contiguous KV by capping the batch at {args.slots} (see the script's docstring). "
-        f"HF runs {len(hf_subset)} of the {args.requests} requests (its TTFT: batch start + one per-token interval, "
-        f"as `generate` returns only at the end), torch threads {torch.get_num_threads()}; its sweep (output tok/s): "
+        f"HF runs {len(hf_subset)} of the {args.requests} requests (each step timed through `generate`'s "
+        f"streamer hook), torch threads {torch.get_num_threads()}; its sweep (output tok/s): "
         + ", ".join(f"batch {r['batch']} {r['dtype']} {r['tokens_per_s']:.1f}" for r in sweep)
         + "; rung 0 is the fastest. Rungs 1-5 use the pure-JAX attention in float32; "
         + ("rung 6 adds the Pallas kernels." if gpu else "rung 6 adds the native CPU attention kernel, rung 7 "

@@ -10,8 +10,10 @@ effects can be measured at the scale of the papers.
 
 The KV object may be a `KVCacheManager` or anything that duck-types the methods the scheduler
 calls (`allocate`, `grow`, `free`, `has_request`, `cache_blocks`, `peek_prefix_len`), such as
-`llmjax.kv.contiguous.ContiguousKVCache`. Observers are called after every step with
-`(simulator, scheduler_output, step_seconds)`, so an experiment can sample memory state over time.
+`llmjax.kv.contiguous.ContiguousKVCache`. Observers are called once per step with
+`(simulator, scheduler_output, step_seconds)`, when the clock has reached the step's end but before the
+scheduler's update: the KV state is the one the step computed over (the requests it finishes are not
+freed yet), so an experiment can sample memory state over time.
 """
 
 from __future__ import annotations
@@ -174,6 +176,8 @@ class Simulator:
                 continue
             dt = self.cost.step_time(out)
             self.now += dt
+            for observe in self.observers:
+                observe(self, out, dt)
             done = finish_step(sched, out)
             finished.extend(done)
             for r in done:  # the requests that waited for these arrive a think time later
@@ -182,8 +186,6 @@ class Simulator:
                                              replace(t, arrival=self.now + t.arrival, after=None)))
             bar.update(len(done))
             steps += 1
-            for observe in self.observers:
-                observe(self, out, dt)
         bar.close()
         unfinished = (len(pending) + sum(map(len, waiting_for.values())) + len(sched.waiting)
                       + len(sched.running))

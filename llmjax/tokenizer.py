@@ -39,7 +39,12 @@ def render_chat_template(template: str, messages: Sequence[Message], add_generat
 
 
 class Tokenizer:
-    """A HF tokenizer with llmjax's needs: encode, decode, chat prompts, the set of stop ids."""
+    """A HF tokenizer with llmjax's needs: encode, decode, chat prompts, the set of stop ids.
+
+    `eos_token_ids` (what ends a request unless `ignore_eos`) is the model's declared eos ids, the
+    tokenizer's eos, and every `END_OF_TURN_TOKENS` entry the vocabulary has: llama.cpp's
+    end-of-generation set. HF `generate` and vLLM stop on the declared ids only, so on SmolLM2 a
+    sampled `<|endoftext|>` (id 0) ends a request here and not there."""
 
     def __init__(self, hf_tokenizer: Any, eos_token_ids: Sequence[int] = ()):
         self.hf = hf_tokenizer

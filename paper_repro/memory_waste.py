@@ -73,9 +73,9 @@ def breakdown(kv) -> SlotBreakdown:
 
 
 class Recorder:
-    """Simulator observer: after each step, its end time, duration, batch size, whether a request was
+    """Simulator observer: for each step, its end time, duration, batch size, whether a request was
     left waiting (the step was memory bound: the scheduler could not admit the head of its queue)
-    and the slot breakdown."""
+    and the slot breakdown the step computed over (before the requests it finishes are freed)."""
 
     def __init__(self) -> None:
         self.rows: list[tuple] = []

@@ -151,3 +151,22 @@ def test_sharing_counts_shared_prompt_blocks_once_and_copies_on_write():
     # no sharing possible with one sequence: the two counts agree
     shared, unshared = sharing.parallel_sampling(7, [40])
     assert shared == unshared == sum(-(-(7 + t) // 16) for t in range(1, 41))
+
+
+def test_observers_see_the_kv_state_a_step_computed_over():
+    """An observer samples a step before its update: a request that the step finishes still holds its
+    blocks (all its prompt and output slots), and its clock is the step's end."""
+    trace = [TraceRequest("a", 0.0, list(range(1, 10)), 1), TraceRequest("b", 0.0, list(range(20, 26)), 3)]
+    seen = []
+
+    def observe(sim: Simulator, out: SchedulerOutput, dt: float) -> None:
+        seen.append((sim.now, {r.request_id: sim.kv.has_request(r.request_id) for r in out.requests},
+                     sim.kv.block_pool.num_free))
+
+    kv = KVCacheManager(32, CONFIG.block_size, enable_prefix_caching=False)
+    result = Simulator(CONFIG, kv, UNIT, [observe]).run(trace)
+    assert [now for now, _, _ in seen] == [1.0, 2.0, 3.0]  # unit cost: each step ends one second later
+    assert all(all(held.values()) for _, held, _ in seen)  # "a" in step 1 and "b" in step 3 finish there
+    # step 1 holds a's 9 prompt slots (3 blocks of 4) and b's 6 (2 blocks); nothing freed yet
+    assert seen[0][2] == kv.block_pool.num_usable - 5
+    assert result.unfinished == 0
