@@ -309,6 +309,9 @@ class EngineConfig:
     `queue_order` "lpm" (SGLang's longest prefix match) orders the waiting requests by their cached
     prefix, so it needs `enable_prefix_caching` (SGLang falls back to FCFS without its radix cache;
     here the combination is refused). `dtype` is one of `DTYPES` (None: `loader.default_dtype()`).
+    `max_num_batched_tokens` is at least `max_num_seqs`, as vLLM requires (every running sequence
+    gets its next token each step), and without chunked prefill at least `max_model_len` (a whole
+    prompt runs in one step).
     """
 
     max_num_batched_tokens: int = 512
@@ -356,6 +359,11 @@ class EngineConfig:
         if self.queue_order == "lpm" and not self.enable_prefix_caching:
             raise ConfigError("queue_order 'lpm' orders the waiting requests by their cached prefix: "
                               "it needs enable_prefix_caching")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                "a step must give every running sequence its next token: "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_num_seqs ({self.max_num_seqs})"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 "without chunked prefill a whole prompt must fit one step: "

@@ -45,6 +45,8 @@ COMMANDS = [["generate", "tiny-gqa", "--prompt", "hi"], ["serve", "tiny-gqa"],
 ENGINE_FLAG_ERRORS = [
     (["--max-num-seqs", "0"], "max_num_seqs must be positive, got 0"),
     (["--block-size", "24"], "block_size must be a power of two"),
+    (["--max-num-batched-tokens", "32"], "max_num_batched_tokens (32) < max_num_seqs (64)"),
+    (["--max-num-batched-tokens", "8", "--max-num-seqs", "16"], "max_num_batched_tokens (8) < max_num_seqs (16)"),
     (["--gpu-memory-utilization", "0"], "gpu_memory_utilization"),
     (["--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1048576"], "both size the KV cache"),
     (["--kv-cache-memory", "-1"], "kv_cache_memory_bytes must be positive"),

@@ -14,6 +14,11 @@ ENGINE_ERRORS = [
     (dict(scheduling_policy="round-robin"), "unknown scheduling_policy"),
     (dict(queue_order="lifo"), "unknown queue_order"),
     (dict(enable_chunked_prefill=False, max_num_batched_tokens=256, max_model_len=1024), "without chunked prefill"),
+    # vLLM refuses max_num_batched_tokens < max_num_seqs: a step could not decode every running sequence
+    (dict(max_num_batched_tokens=32, max_num_seqs=64), r"max_num_batched_tokens \(32\) < max_num_seqs \(64\)"),
+    (dict(max_num_batched_tokens=32), r"max_num_batched_tokens \(32\) < max_num_seqs \(64\)"),  # the default seqs
+    (dict(enable_chunked_prefill=False, max_num_batched_tokens=64, max_num_seqs=128, max_model_len=64),
+     r"max_num_batched_tokens \(64\) < max_num_seqs \(128\)"),
     (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 30), "both size the KV cache: give one"),
@@ -40,6 +45,7 @@ def test_engine_config_refuses(fields, message):
 def test_engine_config_accepts_its_edges():
     EngineConfig(block_size=1, gpu_memory_utilization=1.0, max_delay=0.0)
     EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=2048, max_model_len=2048)
+    EngineConfig(max_num_batched_tokens=64, max_num_seqs=64)
     EngineConfig(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=1)
     EngineConfig(queue_order="lpm", enable_prefix_caching=True, dtype="float16", seed=0)
 
