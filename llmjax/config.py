@@ -311,7 +311,8 @@ class EngineConfig:
     here the combination is refused). `dtype` is one of `DTYPES` (None: `loader.default_dtype()`).
     `max_num_batched_tokens` is at least `max_num_seqs`, as vLLM requires (every running sequence
     gets its next token each step), and without chunked prefill at least `max_model_len` (a whole
-    prompt runs in one step).
+    prompt runs in one step). `attention_backend`, `compilation_cache_dir` and `coordinator_address`
+    are None for their default, never empty.
     """
 
     max_num_batched_tokens: int = 512
@@ -344,6 +345,10 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("attention_backend", "compilation_cache_dir", "coordinator_address"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ConfigError(f"{name} must not be empty: leave it unset (None) for its default")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ConfigError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if self.dtype is not None and self.dtype not in DTYPES:

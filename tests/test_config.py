@@ -31,6 +31,9 @@ ENGINE_ERRORS = [
     (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes must be positive"),
     (dict(kv_cache_dtype="int8"), "kv_cache_dtype must be one of"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+    (dict(attention_backend=""), "attention_backend must not be empty"),  # not the platform's default
+    (dict(compilation_cache_dir=""), "compilation_cache_dir must not be empty"),  # not the default folder
+    (dict(coordinator_address=" "), "coordinator_address must not be empty"),
     (dict(num_processes=2, process_id=0), "coordinator_address"),
     (dict(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=2), "process_id"),
 ]
