@@ -5,7 +5,8 @@ Prompts take vLLM's forms: a string, `{"prompt": str}`, `{"prompt_token_ids": [i
 list of those. A chat conversation (a list of `{"role", "content"}` messages) goes through `chat`,
 which renders it with the model's chat template; a message's content is a string or a list of
 OpenAI text parts, as the server takes it. Both return one finished `RequestOutput` per prompt, in
-input order (`llmjax.outputs`: `.outputs[i].text`, `.token_ids`, ...).
+input order (`llmjax.outputs`: `.outputs[i].text`, `.token_ids`, ...). `get_tokenizer()` is the
+engine's tokenizer.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from llmjax.engine import LLMEngine
 from llmjax.outputs import RequestOutput
 from llmjax.sampling_params import RequestOutputKind, SamplingParams
 from llmjax.serve.protocol import ChatContent, validation_message
+from llmjax.tokenizer import CharTokenizer, Tokenizer
 
 Prompt = str | Mapping[str, Any]  # str | {"prompt": str} | {"prompt_token_ids": list[int]}
 Conversation = Sequence[Mapping[str, Any]]  # messages: {"role": str, "content": str | [{"type": "text", ...}]}
@@ -55,6 +57,10 @@ class LLM:
         config = (engine_config or EngineConfig()).replace(**engine_args)
         self.engine = LLMEngine.from_config(model, config, seed=config.seed)
         self.tokenizer = self.engine.tokenizer
+
+    def get_tokenizer(self) -> Tokenizer | CharTokenizer:
+        """The engine's tokenizer (vLLM's `LLM.get_tokenizer`): `encode`, `decode`, `encode_chat`."""
+        return self.engine.tokenizer
 
     @staticmethod
     def _engine_prompt(prompt: Prompt) -> str | list[int]:

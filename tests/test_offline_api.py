@@ -116,6 +116,12 @@ def test_chat_refuses_other_content_with_the_servers_message(llm, conversations,
     assert out.prompt_token_ids == [1] + char_ids("<user>hi\n<assistant>")
 
 
+def test_get_tokenizer_is_the_engines(llm):
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is llm.engine.tokenizer
+    assert tokenizer.encode("hi") == [1] + char_ids("hi")  # CharTokenizer: BOS, then one id a character
+
+
 def test_logprobs_and_cumulative_logprob(llm):
     [out] = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=1.0, seed=3, max_tokens=6,
                                                                       ignore_eos=True, logprobs=2), use_tqdm=False)
