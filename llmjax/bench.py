@@ -49,8 +49,8 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from llmjax.cli_types import (UsageError, fraction, non_negative_int, positive_int, positive_number,
-                              server_url)
+from llmjax.cli_types import (UsageError, fraction, non_empty, non_negative_int, positive_int,
+                              positive_number, server_url)
 from llmjax.sampling_params import SamplingParams, SamplingParamsError
 from llmjax.workloads import SHAREGPT, lognormal_lengths
 
@@ -380,7 +380,7 @@ def run_bench(args: argparse.Namespace) -> dict:
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", type=server_url, default="http://127.0.0.1:8000",
                         help="the server's root URL (default: %(default)s)")
-    parser.add_argument("--model", default=None, help="served model name (default: the server's first)")
+    parser.add_argument("--model", type=non_empty, default=None, help="served model name (default: the server's first)")
     parser.add_argument("--dataset", choices=["random", "sharegpt", "prefix", "multiturn"], default="random")
     parser.add_argument("--num-prompts", type=positive_int, default=100,
                         help="requests, or conversations for multiturn")
@@ -400,7 +400,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=positive_int, default=None)
     parser.add_argument("--goodput", type=parse_slo, nargs="*", default=[], metavar="SLO:MS",
                         help="e.g. ttft:500 tpot:50 e2el:5000")
-    parser.add_argument("--result-file", default=None)
+    parser.add_argument("--result-file", type=non_empty, default=None)
     parser.add_argument("--seed", type=non_negative_int, default=0)
 
 

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     router = sub.add_parser("router", help="route requests over several `llmjax serve` replicas")
     router.add_argument("--workers", type=cli_types.server_urls, required=True,
                         help="comma-separated replica URLs: http://h1:8000,http://h2:8000")
-    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--host", type=cli_types.non_empty, default="127.0.0.1")
     router.add_argument("--port", type=cli_types.port, default=8000)
     router.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     add_keep_alive_arg(router)
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     cluster = sub.add_parser("cluster", help="N `llmjax serve` replicas and the router on this machine")
     add_engine_args(cluster)
     cluster.add_argument("--replicas", type=cli_types.positive_int, required=True)
-    cluster.add_argument("--host", default="127.0.0.1", help="the router's address")
+    cluster.add_argument("--host", type=cli_types.non_empty, default="127.0.0.1", help="the router's address")
     cluster.add_argument("--port", type=cli_types.port, default=8000, help="the router's port")
     cluster.add_argument("--replica-base-port", type=cli_types.port, default=None,
                          help="replica i listens on 127.0.0.1:(this + i) (default: --port + 1)")

@@ -26,6 +26,14 @@ def _number(text: str, kind: type) -> int | float:
                                          f"got {text!r}") from None
 
 
+def non_empty(text: str) -> str:
+    """Text with at least one non-space character (a name, a key, a host, a path), returned as
+    given. An empty value is refused rather than read as the flag's default."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a non-empty value, got {text!r}")
+    return text
+
+
 def positive_int(text: str) -> int:
     value = _number(text, int)
     if value < 1:

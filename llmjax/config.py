@@ -309,6 +309,10 @@ class EngineConfig:
     `queue_order` "lpm" (SGLang's longest prefix match) orders the waiting requests by their cached
     prefix, so it needs `enable_prefix_caching` (SGLang falls back to FCFS without its radix cache;
     here the combination is refused). `dtype` is one of `DTYPES` (None: `loader.default_dtype()`).
+    `max_num_batched_tokens` is at least `max_num_seqs`, as vLLM requires (every running sequence
+    gets its next token each step), and without chunked prefill at least `max_model_len` (a whole
+    prompt runs in one step). `attention_backend`, `compilation_cache_dir` and `coordinator_address`
+    are None for their default, never empty.
     """
 
     max_num_batched_tokens: int = 512
@@ -341,6 +345,10 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("attention_backend", "compilation_cache_dir", "coordinator_address"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ConfigError(f"{name} must not be empty: leave it unset (None) for its default")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ConfigError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -356,6 +364,11 @@ class EngineConfig:
         if self.queue_order == "lpm" and not self.enable_prefix_caching:
             raise ConfigError("queue_order 'lpm' orders the waiting requests by their cached prefix: "
                               "it needs enable_prefix_caching")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                "a step must give every running sequence its next token: "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_num_seqs ({self.max_num_seqs})"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 "without chunked prefill a whole prompt must fit one step: "

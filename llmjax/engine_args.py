@@ -17,6 +17,7 @@ import sys
 from typing import Iterator
 
 from llmjax.attention.backend import BACKENDS
+from llmjax.cli_types import non_empty
 from llmjax.config import DEFAULT_GPU_MEMORY_UTILIZATION, DTYPES, KV_CACHE_DTYPES, ConfigError, EngineConfig
 
 # Flags that only the batching policies named here read; default None, so that giving one to another
@@ -26,7 +27,7 @@ POLICY_FLAGS = {"batch_size": ("--batch-size", ("static", "dynamic")), "max_dela
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
-    parser.add_argument("model", nargs="?", default=None,
+    parser.add_argument("model", nargs="?", type=non_empty, default=None,
                         help="'smollm2' (default, the embedded model), a preset (tiny-gqa, ...), a .gguf file "
                              "or a HF folder")
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)

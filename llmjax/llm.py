@@ -3,8 +3,10 @@
 
 Prompts take vLLM's forms: a string, `{"prompt": str}`, `{"prompt_token_ids": [int, ...]}`, or a
 list of those. A chat conversation (a list of `{"role", "content"}` messages) goes through `chat`,
-which renders it with the model's chat template. Both return one finished `RequestOutput` per
-prompt, in input order (`llmjax.outputs`: `.outputs[i].text`, `.token_ids`, ...).
+which renders it with the model's chat template; a message's content is a string or a list of
+OpenAI text parts, as the server takes it. Both return one finished `RequestOutput` per prompt, in
+input order (`llmjax.outputs`: `.outputs[i].text`, `.token_ids`, ...). `get_tokenizer()` is the
+engine's tokenizer.
 """
 
 from __future__ import annotations
@@ -13,15 +15,33 @@ import dataclasses
 import time
 from typing import Any, Mapping, Sequence
 
+from pydantic import ValidationError
 from tqdm import tqdm
 
 from llmjax.config import EngineConfig
 from llmjax.engine import LLMEngine
 from llmjax.outputs import RequestOutput
 from llmjax.sampling_params import RequestOutputKind, SamplingParams
+from llmjax.serve.protocol import ChatContent, validation_message
+from llmjax.tokenizer import CharTokenizer, Tokenizer
 
 Prompt = str | Mapping[str, Any]  # str | {"prompt": str} | {"prompt_token_ids": list[int]}
-Conversation = Sequence[Mapping[str, str]]
+Conversation = Sequence[Mapping[str, Any]]  # messages: {"role": str, "content": str | [{"type": "text", ...}]}
+
+
+def _template_message(message: Any, loc: tuple[str | int, ...]) -> dict[str, Any]:
+    """`message` as the chat template sees it: its `content` checked and made text by the server's
+    `ChatContent` (a string, or OpenAI text parts joined by newlines), its other keys as they are.
+    ValueError, worded as the server's 400 and placed at `loc` (the message's own), for anything
+    else."""
+    if not isinstance(message, Mapping):
+        raise ValueError(f"{'.'.join(map(str, loc))}: a message is a mapping with 'role' and 'content', "
+                         f"got {message!r:.80}")
+    try:
+        content = ChatContent.model_validate({"content": message["content"]} if "content" in message else {})
+    except ValidationError as exc:
+        raise ValueError(validation_message([{**e, "loc": (*loc, *e["loc"])} for e in exc.errors()])[0]) from None
+    return {**message, "content": content.text()}
 
 
 class LLM:
@@ -37,6 +57,10 @@ class LLM:
         config = (engine_config or EngineConfig()).replace(**engine_args)
         self.engine = LLMEngine.from_config(model, config, seed=config.seed)
         self.tokenizer = self.engine.tokenizer
+
+    def get_tokenizer(self) -> Tokenizer | CharTokenizer:
+        """The engine's tokenizer (vLLM's `LLM.get_tokenizer`): `encode`, `decode`, `encode_chat`."""
+        return self.engine.tokenizer
 
     @staticmethod
     def _engine_prompt(prompt: Prompt) -> str | list[int]:
@@ -70,11 +94,18 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them (rendered with the chat template)."""
+        """Generate replies to one conversation or a list of them (rendered with the chat template).
+        A message's `content` is a string or a list of OpenAI text parts (`{"type": "text", "text":
+        ...}`, joined by newlines, as in vLLM and the server). A content the server would refuse (an
+        image part, a missing text) raises ValueError with the server's message, its place given as
+        `messages.I...` (one conversation) or `messages.C.I...`, with nothing queued."""
         conversations = list(conversations)
-        if conversations and isinstance(conversations[0], Mapping):
+        single = bool(conversations) and isinstance(conversations[0], Mapping)
+        if single:
             conversations = [conversations]
-        ids = [self.tokenizer.encode_chat(list(c), add_generation_prompt) for c in conversations]
+        ids = [self.tokenizer.encode_chat([_template_message(m, ("messages", *(() if single else (c,)), i))
+                                           for i, m in enumerate(conversation)], add_generation_prompt)
+               for c, conversation in enumerate(conversations)]
         return self._run(ids, sampling_params, use_tqdm)
 
     def _run(self, prompts: list[str | list[int]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:

@@ -208,10 +208,10 @@ class Scheduler:
 
         Taken when the last step was decode-only and every request in it sampled, no request has
         joined `running` since and the ones that left it are dropped from its arrays (so every
-        running request needs exactly one token again, in the same order), the token budget covers
-        them, nothing could be admitted, none reaches its length limit with its token still on the
-        device, and the KV pool holds every block they need now (all or nothing, in the general
-        path's order). Otherwise None, with nothing changed."""
+        running request needs exactly one token again, in the same order; the token budget, at
+        least `max_num_seqs`, covers them), nothing could be admitted, none reaches its length
+        limit with its token still on the device, and the KV pool holds every block they need now
+        (all or nothing, in the general path's order). Otherwise None, with nothing changed."""
         if self._last_decodes is None:
             return None
         last, keys = self._last_decodes
@@ -222,7 +222,7 @@ class Scheduler:
             before = np.flatnonzero(keep).astype(np.int32)
             requests, keys = [requests[i] for i in before.tolist()], tuple([keys[i] for i in before.tolist()])
         n, config = len(requests), self.config
-        if n == 0 or n != len(self.running) or config.max_num_batched_tokens < n:
+        if n == 0 or n != len(self.running):
             return None
         if self.waiting and config.max_num_batched_tokens > n and n < config.max_num_seqs:
             return None  # a waiting request may be admitted

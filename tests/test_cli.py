@@ -45,6 +45,8 @@ COMMANDS = [["generate", "tiny-gqa", "--prompt", "hi"], ["serve", "tiny-gqa"],
 ENGINE_FLAG_ERRORS = [
     (["--max-num-seqs", "0"], "max_num_seqs must be positive, got 0"),
     (["--block-size", "24"], "block_size must be a power of two"),
+    (["--max-num-batched-tokens", "32"], "max_num_batched_tokens (32) < max_num_seqs (64)"),
+    (["--max-num-batched-tokens", "8", "--max-num-seqs", "16"], "max_num_batched_tokens (8) < max_num_seqs (16)"),
     (["--gpu-memory-utilization", "0"], "gpu_memory_utilization"),
     (["--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1048576"], "both size the KV cache"),
     (["--kv-cache-memory", "-1"], "kv_cache_memory_bytes must be positive"),
@@ -56,6 +58,8 @@ ENGINE_FLAG_ERRORS = [
     (["--scheduling-policy", "static", "--max-delay", "0.1"], "--max-delay applies to --scheduling-policy dynamic"),
     (["--scheduling-policy", "dynamic", "--max-delay", "inf"], "max_delay must be a finite number of seconds"),
     (["--scheduling-policy", "dynamic", "--batch-size", "0"], "batch_size must be positive"),
+    (["--compilation-cache-dir", ""], "compilation_cache_dir must not be empty"),
+    (["--coordinator-address", " "], "coordinator_address must not be empty"),
 ]
 
 
@@ -187,3 +191,23 @@ def test_worker_urls_and_router_defaults_as_parsed():
 ])
 def test_ports_and_replicas_are_range_checked(usage_error, argv, message):
     usage_error(argv, message)
+
+
+# An empty value is refused, never read as the flag's default (another model name, no API key, every
+# interface, the server's first model, no result file).
+@pytest.mark.parametrize("argv, flag", [
+    (["serve", "tiny-gqa", "--served-model-name", ""], "--served-model-name"),
+    (["serve", "tiny-gqa", "--api-key", ""], "--api-key"),
+    (["serve", "tiny-gqa", "--api-key", "  "], "--api-key"),
+    (["serve", "tiny-gqa", "--host", ""], "--host"),
+    (["serve", ""], "model"),
+    (["generate", " ", "--prompt", "hi"], "model"),
+    (["cluster", "tiny-gqa", "--replicas", "1", "--served-model-name", " "], "--served-model-name"),
+    (["cluster", "tiny-gqa", "--replicas", "1", "--api-key", ""], "--api-key"),
+    (["cluster", "tiny-gqa", "--replicas", "1", "--host", ""], "--host"),
+    (["router", "--workers", "http://127.0.0.1:9", "--host", ""], "--host"),
+    (["bench", "--model", ""], "--model"),
+    (["bench", "--result-file", ""], "--result-file"),
+])
+def test_empty_string_flags_are_refused(usage_error, argv, flag):
+    usage_error(argv, f"argument {flag}: expected a non-empty value")

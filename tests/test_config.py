@@ -14,6 +14,11 @@ ENGINE_ERRORS = [
     (dict(scheduling_policy="round-robin"), "unknown scheduling_policy"),
     (dict(queue_order="lifo"), "unknown queue_order"),
     (dict(enable_chunked_prefill=False, max_num_batched_tokens=256, max_model_len=1024), "without chunked prefill"),
+    # vLLM refuses max_num_batched_tokens < max_num_seqs: a step could not decode every running sequence
+    (dict(max_num_batched_tokens=32, max_num_seqs=64), r"max_num_batched_tokens \(32\) < max_num_seqs \(64\)"),
+    (dict(max_num_batched_tokens=32), r"max_num_batched_tokens \(32\) < max_num_seqs \(64\)"),  # the default seqs
+    (dict(enable_chunked_prefill=False, max_num_batched_tokens=64, max_num_seqs=128, max_model_len=64),
+     r"max_num_batched_tokens \(64\) < max_num_seqs \(128\)"),
     (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 30), "both size the KV cache: give one"),
@@ -26,6 +31,9 @@ ENGINE_ERRORS = [
     (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes must be positive"),
     (dict(kv_cache_dtype="int8"), "kv_cache_dtype must be one of"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+    (dict(attention_backend=""), "attention_backend must not be empty"),  # not the platform's default
+    (dict(compilation_cache_dir=""), "compilation_cache_dir must not be empty"),  # not the default folder
+    (dict(coordinator_address=" "), "coordinator_address must not be empty"),
     (dict(num_processes=2, process_id=0), "coordinator_address"),
     (dict(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=2), "process_id"),
 ]
@@ -40,6 +48,7 @@ def test_engine_config_refuses(fields, message):
 def test_engine_config_accepts_its_edges():
     EngineConfig(block_size=1, gpu_memory_utilization=1.0, max_delay=0.0)
     EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=2048, max_model_len=2048)
+    EngineConfig(max_num_batched_tokens=64, max_num_seqs=64)
     EngineConfig(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=1)
     EngineConfig(queue_order="lpm", enable_prefix_caching=True, dtype="float16", seed=0)
 

@@ -85,6 +85,43 @@ def test_chat_renders_the_template(llm, add_generation_prompt):
     assert single.prompt_token_ids == outs[1].prompt_token_ids
 
 
+def test_chat_takes_openai_text_parts_joined_by_newlines(llm):
+    """vLLM's LLM.chat (and our server) take a message's content as OpenAI content parts; text parts
+    reach the template joined by newlines."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "2+2?"}]}]
+    one = SamplingParams(max_tokens=1)
+    [out] = llm.chat(parts, one, use_tqdm=False)
+    assert out.prompt_token_ids == [1] + char_ids("<user>What is\n2+2?\n<assistant>")
+    [out] = llm.chat([[{"role": "system", "content": []}, *parts]], one, use_tqdm=False)
+    assert out.prompt_token_ids == [1] + char_ids("<system>\n<user>What is\n2+2?\n<assistant>")
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
+
+
+@pytest.mark.parametrize("conversations, message", [
+    # the server's 400 for the same message: param messages.0.content.0.type (tests/test_server.py)
+    ([{"role": "user", "content": [IMAGE]}], r"^messages\.0\.content\.0\.type: Input should be 'text'"),
+    ([[{"role": "user", "content": "ok"}], [{"role": "user", "content": "ok"}, {"role": "user", "content": [IMAGE]}]],
+     r"^messages\.1\.1\.content\.0\.type: Input should be 'text'"),
+    ([{"role": "user", "content": [{"type": "text"}]}], r"^messages\.0\.content\.0\.text: Field required"),
+    ([{"role": "user"}], r"^messages\.0\.content: Field required"),
+    (["hi"], r"^messages\.0\.0: a message is a mapping"),
+])
+def test_chat_refuses_other_content_with_the_servers_message(llm, conversations, message):
+    with pytest.raises(ValueError, match=message):
+        llm.chat(conversations, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()  # nothing queued, the next call unharmed
+    [out] = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert out.prompt_token_ids == [1] + char_ids("<user>hi\n<assistant>")
+
+
+def test_get_tokenizer_is_the_engines(llm):
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is llm.engine.tokenizer
+    assert tokenizer.encode("hi") == [1] + char_ids("hi")  # CharTokenizer: BOS, then one id a character
+
+
 def test_logprobs_and_cumulative_logprob(llm):
     [out] = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=1.0, seed=3, max_tokens=6,
                                                                       ignore_eos=True, logprobs=2), use_tqdm=False)

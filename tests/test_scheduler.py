@@ -184,7 +184,7 @@ def _drive(fast_path: bool, async_steps: bool, seed: int, num_blocks: int, burst
     monkeypatch.setattr(Scheduler, "_schedule_decodes", counted)
     rng = np.random.default_rng(seed)
     s = scheduler(num_blocks=num_blocks, build_step_inputs=True, eos_token_ids=frozenset({5}),
-                  max_num_seqs=32 if burst else 4, max_num_batched_tokens=24, max_model_len=64)
+                  max_num_seqs=24 if burst else 4, max_num_batched_tokens=24, max_model_len=64)
     requests = []
     for i in range(24):
         prompt = ([3] * 8 if i % 3 == 0 else []) + list(range(100 + 20 * i, 100 + 20 * i + int(rng.integers(2, 12))))

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from llmjax.serve.protocol import error_body
+from llmjax.serve.protocol import error_body, validation_message
 
 log = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_S = 5.0  # on SIGTERM/SIGINT, how long open responses may go on (servers and router)
@@ -45,28 +45,12 @@ def error_response(status: int, message: str, param: str | None = None, code: in
                                          code), status_code=status)
 
 
-def _is_type_tag(part: Any) -> bool:
-    """Pydantic names each member of a union it tried in an error's location ("str", "list[int]",
-    "TextPart"); field names are lower-case identifiers and indices are ints."""
-    return isinstance(part, str) and (not part.isidentifier() or part[:1].isupper() or part in ("str", "int",
-                                                                                                "float", "bool"))
-
-
 def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     for e in errors:
         if e["type"] == "json_invalid":
             return error_response(400, f"malformed JSON: {e.get('ctx', {}).get('error', e['msg'])}")
-    # A union (`content`: a string or a list of parts) reports a failure per member; the member that
-    # got deepest into the value is the one the client meant.
-    first = max(errors, key=lambda e: len(e["loc"]))
-    param = ".".join(str(part) for part in first["loc"][1:] if not _is_type_tag(part)) or None
-    if first["type"] == "extra_forbidden":
-        message = f"unsupported parameter: `{param}` is not supported by this server"
-    else:
-        message = f"{param}: {first['msg']}" if param else first["msg"]
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    message, param = validation_message([{**e, "loc": e["loc"][1:]} for e in errors])  # the body is the root
     return error_response(400, message, param)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Mapping, Sequence
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
@@ -184,19 +184,29 @@ class TextPart(StrictRequest):
     text: Text
 
 
-class ChatMessage(StrictRequest):
+class ChatContent(StrictRequest):
+    """A chat message's content: a string or a list of OpenAI content parts, text parts only (an
+    image or other part is refused). The server's `ChatMessage` and the offline `LLM.chat` check
+    content with this one model."""
+
+    content: Text | list[TextPart]
+
+    def text(self) -> str:
+        """The content as the chat template sees it: text parts joined by newlines (as vLLM does)."""
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+
+class ChatMessage(ChatContent):
     """A conversation turn. `developer` is OpenAI's newer name for the `system` role: the chat template
     sees `system`. `name` (the participant's name) reaches the chat template as the message's `name`,
     as in vLLM; a template that has no use for it leaves it out (SmolLM2's does)."""
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
     name: Text | None = None
 
     def as_dict(self) -> dict[str, str]:
-        """The message as the chat template sees it; text parts are joined by newlines (as vLLM does)."""
-        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        """The message as the chat template sees it (`ChatContent.text`)."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
         return message
@@ -386,6 +396,29 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+def _is_type_tag(part: Any) -> bool:
+    """Pydantic names each member of a union it tried in an error's location ("str", "list[int]",
+    "TextPart"); field names are lower-case identifiers and indices are ints."""
+    return isinstance(part, str) and (not part.isidentifier() or part[:1].isupper() or part in ("str", "int",
+                                                                                                "float", "bool"))
+
+
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """The message reporting pydantic validation `errors` (each `loc` taken from the request's
+    root), and the dotted path of the parameter it names (None for the root). A union (`content`:
+    a string or a list of parts) reports a failure per member; the member that got deepest into the
+    value is the one the client meant, so the deepest error is reported and the others counted."""
+    first = max(errors, key=lambda e: len(e["loc"]))
+    param = ".".join(str(part) for part in first["loc"] if not _is_type_tag(part)) or None
+    if first["type"] == "extra_forbidden":
+        message = f"unsupported parameter: `{param}` is not supported by llmjax"
+    else:
+        message = f"{param}: {first['msg']}" if param else first["msg"]
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return message, param
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

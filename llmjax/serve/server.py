@@ -18,7 +18,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from llmjax.cli_types import port, positive_seconds
+from llmjax.cli_types import non_empty, port, positive_seconds
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -31,12 +31,13 @@ UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 def add_serve_args(parser: argparse.ArgumentParser, address: bool = True) -> None:
     """The flags of one server besides the engine's; `address`: also `--host` and `--port`."""
     if address:
-        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--host", type=non_empty, default="127.0.0.1")
         parser.add_argument("--port", type=port, default=8000)
-    parser.add_argument("--served-model-name", default=None, help="the name clients send (default: the model's)")
+    parser.add_argument("--served-model-name", type=non_empty, default=None,
+                        help="the name clients send (default: the model's)")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="compile the common step shapes before accepting requests")
-    parser.add_argument("--api-key", default=None,
+    parser.add_argument("--api-key", type=non_empty, default=None,
                         help="require `Authorization: Bearer KEY` on /v1/* (default: $LLMJAX_API_KEY, else none)")
     parser.add_argument("--allowed-origins", default="",
                         help="comma-separated origins allowed by CORS (default: none)")
