@@ -6,6 +6,7 @@ longest stored prefix of a key is its longest common prefix with any of them.
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections import Counter
 
@@ -14,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmjax.serve.router import request_text
+from llmjax.serve import routing
 from llmjax.serve.routing import ApproxRadixTree, CacheAware, Decision, LeastLoad, RoundRobin, make_policy, routing_key
 
 SYSTEM_A = "You are a pirate. Answer every question in pirate speak, with at least one arr. " * 4
@@ -222,6 +224,17 @@ def test_retracting_after_forget_leaves_the_new_tree_alone():
     policy.tree("w0").insert(SYSTEM_B)
     policy.retract(d)
     assert policy.tree("w0").match(SYSTEM_B) == len(SYSTEM_B) and policy.tree("w0").num_chars == len(SYSTEM_B)
+
+
+def test_request_timeout_flag():
+    parser = argparse.ArgumentParser(prog="llmjax router")
+    routing.add_router_args(parser)
+    assert parser.parse_args([]).request_timeout == routing.DEFAULT_REQUEST_TIMEOUT == 600
+    assert parser.parse_args(["--request-timeout", "2.5"]).request_timeout == 2.5
+    assert "--request-timeout" in parser.format_help()
+    for bad in ("0", "-1", "inf", "nan", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--request-timeout", bad])
 
 
 def test_round_robin_and_least_load():

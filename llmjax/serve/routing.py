@@ -41,6 +41,9 @@ DEFAULT_CACHE_THRESHOLD = 0.5
 DEFAULT_BALANCE_ABS_THRESHOLD = 32
 DEFAULT_BALANCE_REL_THRESHOLD = 1.0001
 DEFAULT_MAX_TREE_CHARS = 2**24
+# The longest silence allowed of a worker (the router's `request_timeout`): far beyond a prefill or a
+# decode step, so only a hung worker meets it.
+DEFAULT_REQUEST_TIMEOUT = 600.0
 POLICIES = ("cache_aware", "round_robin", "least_load")
 
 
@@ -326,7 +329,8 @@ CACHE_AWARE_FLAGS = {"cache_threshold": "--cache-threshold", "balance_abs_thresh
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
-    """The router's flags: policy, thresholds, health checks (`llmjax router`, `llmjax cluster`)."""
+    """The router's flags: policy, thresholds, health checks, the request timeout (`llmjax router`,
+    `llmjax cluster`)."""
     parser.add_argument("--policy", choices=POLICIES, default="cache_aware")
     parser.add_argument("--cache-threshold", type=fraction, default=None,
                         help="cache_aware: go to the best-matching worker when more than this fraction of the "
@@ -346,6 +350,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds a /health check or a connection attempt may take (default %(default)s)")
     parser.add_argument("--health-failure-threshold", type=positive_int, default=3,
                         help="failed /health checks in a row that take a worker out (default %(default)s)")
+    parser.add_argument("--request-timeout", type=positive_seconds, default=DEFAULT_REQUEST_TIMEOUT,
+                        help="seconds a worker may stay silent, waiting for its response headers or for the next "
+                             "chunk of its body (each wait on its own, so a long stream is never cut); then the "
+                             "client gets a 504, or a stream ends with an error event (default %(default)s)")
 
 
 def check_router_args(args: argparse.Namespace) -> None:
