@@ -29,8 +29,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from llmjax.serve.api import build_app
 from llmjax.serve.cluster import replica_pids
 from llmjax.serve.metrics import parse_metrics
-from llmjax.serve.router import build_router_app
-from llmjax.serve.routing import CacheAware, RoundRobin
+from llmjax.serve.router import Router, build_router_app
+from llmjax.serve.routing import CacheAware, RoundRobin, routing_key
 from tests.engine_helpers import tiny_engine
 from tests.server_helpers import running_server
 
@@ -121,6 +121,7 @@ class StubWorker:
     def __init__(self, name: str):
         self.healthy = self.serving = True
         self.fail_with: int | None = None  # answer completions with this error status
+        self.retry_after: str | None = None  # the Retry-After of its 503s
         self.name = name
         self.app = FastAPI()
         self.app.add_api_route("/health", lambda: Response(status_code=200 if self.healthy else 503))
@@ -128,10 +129,14 @@ class StubWorker:
 
     def complete(self):
         if not self.serving:
-            return JSONResponse({"error": {"message": "engine dead"}}, status_code=503)
+            headers = {"retry-after": self.retry_after} if self.retry_after else None
+            return JSONResponse(self.overloaded_body(), status_code=503, headers=headers)
         if self.fail_with is not None:
             return JSONResponse({"error": {"message": "refused", "code": self.fail_with}}, status_code=self.fail_with)
         return {"choices": [{"text": self.name}]}
+
+    def overloaded_body(self) -> dict:
+        return {"error": {"message": f"{self.name} is overloaded", "type": "service_unavailable", "code": 503}}
 
 
 def complete_stub(router: str) -> str:
@@ -186,6 +191,116 @@ def test_a_503_before_the_first_byte_is_retried_on_another_worker():
         assert all(w["up"] for w in httpx.get(f"{router}/workers", timeout=TIMEOUT).json())
         b.serving = True
         assert sorted(complete_stub(router) for _ in range(2)) == ["a", "b"]
+
+
+def test_a_retried_request_is_one_decision_and_only_the_serving_worker_keeps_its_prefix():
+    """Cache-aware routing sends each new prompt to b first (the earlier of two idle workers with
+    empty trees); b answers 503, so a serves it. Each request counts one decision, and only a's
+    tree holds its prompt."""
+    a, b = StubWorker("a"), StubWorker("b")
+    b.serving = False
+    policy = CacheAware()
+    prompts = [f"{family} system prompt, question {i}" for i, family in enumerate(("first", "second", "third"))]
+    with running_server(a.app) as url_a, running_server(b.app) as url_b, \
+            running_server(build_router_app([url_b, url_a], policy, 3600)) as router:
+        for prompt in prompts:
+            r = httpx.post(f"{router}/v1/completions", json={"prompt": prompt}, timeout=TIMEOUT)
+            assert r.json()["choices"][0]["text"] == "a"
+        m = metrics(router)
+        assert m["llmjax:router_worker_failures_total"] == len(prompts)  # every one went to b first
+        assert m["llmjax:router_decisions_total"] == len(prompts)
+        for prompt in prompts:
+            assert policy.tree(url_b).match(routing_key(prompt)) == 0
+            assert policy.tree(url_a).match(routing_key(prompt)) == len(prompt)
+        b.serving = True  # the family's next request follows the worker that served it
+        r = httpx.post(f"{router}/v1/completions", json={"prompt": prompts[0] + "?"}, timeout=TIMEOUT)
+        assert r.json()["choices"][0]["text"] == "a"
+        assert all(w["in_flight"] == 0 for w in httpx.get(f"{router}/workers", timeout=TIMEOUT).json())
+
+
+def test_when_every_worker_answers_503_the_last_answer_is_relayed():
+    """Round robin tries a, then b: the client gets b's 503 as b sent it, Retry-After included."""
+    a, b = StubWorker("a"), StubWorker("b")
+    a.serving = b.serving = False
+    a.retry_after, b.retry_after = "1", "2"
+    with running_server(a.app) as url_a, running_server(b.app) as url_b, \
+            running_server(build_router_app([url_a, url_b], RoundRobin(), 3600)) as router:
+        r = httpx.post(f"{router}/v1/completions", json={"prompt": "x"}, timeout=TIMEOUT)
+        assert r.status_code == 503 and r.json() == b.overloaded_body(), r.text
+        assert r.headers["retry-after"] == "2" and r.headers["x-llmjax-worker"] == url_b
+        b.retry_after = None  # no Retry-After from the last worker: none relayed, whatever a sent
+        r = httpx.post(f"{router}/v1/completions", json={"prompt": "x"}, timeout=TIMEOUT)
+        assert r.status_code == 503 and r.json() == b.overloaded_body() and "retry-after" not in r.headers
+        m = metrics(router)
+        assert m["llmjax:router_failed_requests_total"] == 2 and m["llmjax:router_worker_failures_total"] == 4
+        assert all(w["up"] and w["in_flight"] == 0 for w in httpx.get(f"{router}/workers", timeout=TIMEOUT).json())
+
+
+class SilentWorker:
+    """A worker that goes silent when told: before its response headers (`hang`: "headers") or
+    after the first event of an SSE stream ("stream"). `disconnected` is set once the router has
+    closed a silent request's connection."""
+
+    def __init__(self):
+        self.hang: str | None = None
+        self.disconnected = threading.Event()
+        self.app = FastAPI()
+        self.app.add_api_route("/health", lambda: Response(status_code=200))
+        self.app.add_api_route("/v1/completions", self.complete, methods=["POST"])
+
+    async def complete(self, request: Request):
+        if self.hang == "headers":
+            await self._until_disconnected(request)
+            return Response(status_code=200)
+        if self.hang == "stream":
+            async def events():
+                yield FIRST_EVENT
+                await self._until_disconnected(request)
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return {"choices": [{"text": "ok"}]}
+
+    async def _until_disconnected(self, request: Request) -> None:
+        try:
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.02)
+        finally:  # cancelled, too, when the server sees the disconnect first
+            self.disconnected.set()
+
+
+def test_a_worker_silent_before_its_headers_gets_the_client_a_504():
+    worker = SilentWorker()
+    with running_server(worker.app) as url, \
+            running_server(build_router_app([url], RoundRobin(), 3600, request_timeout=1.0)) as router:
+        worker.hang = "headers"
+        r = httpx.post(f"{router}/v1/completions", json={"prompt": "x"}, timeout=TIMEOUT)
+        assert r.status_code == 504 and r.json()["error"]["code"] == 504, r.text
+        assert url in r.json()["error"]["message"]
+        assert worker.disconnected.wait(TIMEOUT)  # the router closed the worker's connection
+        [state] = httpx.get(f"{router}/workers", timeout=TIMEOUT).json()
+        assert state["up"] and state["in_flight"] == 0
+        worker.hang = None  # the next request is served as usual
+        assert httpx.post(f"{router}/v1/completions", json={"prompt": "x"}, timeout=TIMEOUT).json() == {
+            "choices": [{"text": "ok"}]}
+
+
+def test_a_stream_that_goes_silent_ends_with_an_error_event():
+    worker = SilentWorker()
+    worker.hang = "stream"
+    with running_server(worker.app) as url, \
+            running_server(build_router_app([url], RoundRobin(), 3600, request_timeout=1.0)) as router:
+        r = httpx.post(f"{router}/v1/completions", json={"prompt": "x", "stream": True}, timeout=TIMEOUT)
+        events = [e[6:] for e in r.text.split("\n\n") if e]
+        assert r.status_code == 200 and len(events) == 3, r.text
+        assert events[0].encode() == FIRST_EVENT[6:-2]
+        assert json.loads(events[1])["error"]["code"] == 504 and events[2] == "[DONE]"
+        assert worker.disconnected.wait(TIMEOUT)
+        wait_for(lambda: httpx.get(f"{router}/workers", timeout=TIMEOUT).json()[0]["in_flight"] == 0)
+
+
+def test_the_request_timeout_must_be_positive():
+    for bad in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="request_timeout"):
+            Router(["http://127.0.0.1:1"], RoundRobin(), request_timeout=bad)
 
 
 def test_errors_are_relayed_and_do_not_take_a_worker_down():

@@ -6,6 +6,7 @@ longest stored prefix of a key is its longest common prefix with any of them.
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections import Counter
 
@@ -14,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmjax.serve.router import request_text
+from llmjax.serve import routing
 from llmjax.serve.routing import ApproxRadixTree, CacheAware, Decision, LeastLoad, RoundRobin, make_policy, routing_key
 
 SYSTEM_A = "You are a pirate. Answer every question in pirate speak, with at least one arr. " * 4
@@ -49,6 +51,43 @@ def test_tree_stays_bounded_and_keeps_the_newest_key(inserted, max_chars):
         assert tree.match(k) == len(k) or len(k) > max_chars  # the newest key is never the LRU leaf
     for q in inserted:
         assert tree.match(q) <= naive_match(inserted, q)
+
+
+def distinct_prefixes(keys: list[str]) -> int:
+    """Characters of a trie holding `keys`: their distinct non-empty prefixes."""
+    return len({k[:i] for k in keys for i in range(1, len(k) + 1)})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(keys, st.integers(0, 29)), max_size=40), st.lists(keys, max_size=10))
+def test_undone_insertions_leave_the_tree_of_the_other_keys(ops, queries):
+    """Inserts (a key) and undos (an integer: which of the insertions not undone yet), in any order:
+    the tree is the one of the keys inserted and not undone, the same key inserted twice included."""
+    tree = ApproxRadixTree()
+    live: list[tuple[str, object]] = []  # (key, its insertion) not undone
+    for op in ops:
+        if isinstance(op, str):
+            live.append((op, tree.insert(op)))
+        elif live:
+            key, insertion = live.pop(op % len(live))
+            if key:
+                insertion.undo()
+            else:
+                assert insertion is None  # the empty key stores nothing
+    live_keys = [k for k, _ in live]
+    for q in queries + [op for op in ops if isinstance(op, str)]:
+        assert tree.match(q) == naive_match(live_keys, q), q
+    assert tree.num_chars == distinct_prefixes(live_keys)
+
+
+def test_an_insertion_is_undone_once_and_not_after_its_eviction():
+    tree = ApproxRadixTree(max_chars=10)
+    first = tree.insert("aaaaaaaaaa")
+    tree.insert("bbbbbbbbbb")  # evicts the first key
+    first.undo()
+    assert tree.match("bbbbbbbbbb") == 10 and tree.num_chars == 10
+    with pytest.raises(ValueError, match="undone already"):
+        first.undo()
 
 
 def test_tree_evicts_least_recently_inserted_first():
@@ -166,6 +205,38 @@ def test_forget_drops_a_workers_tree():
     assert policy.select(SYSTEM_A, {"w0": 1, "w1": 0}) == Decision("w1", "cache_miss")
 
 
+def test_a_retracted_decision_leaves_the_key_only_with_the_worker_that_served_it():
+    """The first choice fails, the request is re-routed: later requests of the family follow the
+    worker that served it, not the one that failed."""
+    policy = CacheAware()
+    failed = policy.select(SYSTEM_A + "q0", {"w0": 0, "w1": 0})
+    assert failed == Decision("w0", "cache_miss")
+    policy.retract(failed)
+    assert policy.tree("w0").match(SYSTEM_A) == 0 and policy.tree("w0").num_chars == 0
+    assert policy.select(SYSTEM_A + "q0", {"w1": 0}) == Decision("w1", "cache_miss")  # the retry, w0 excluded
+    assert policy.select(SYSTEM_A + "q1", {"w0": 0, "w1": 0}) == Decision("w1", "cache_hit")
+
+
+def test_retracting_after_forget_leaves_the_new_tree_alone():
+    policy = CacheAware()
+    d = policy.select(SYSTEM_A, {"w0": 0})
+    policy.forget("w0")
+    policy.tree("w0").insert(SYSTEM_B)
+    policy.retract(d)
+    assert policy.tree("w0").match(SYSTEM_B) == len(SYSTEM_B) and policy.tree("w0").num_chars == len(SYSTEM_B)
+
+
+def test_request_timeout_flag():
+    parser = argparse.ArgumentParser(prog="llmjax router")
+    routing.add_router_args(parser)
+    assert parser.parse_args([]).request_timeout == routing.DEFAULT_REQUEST_TIMEOUT == 600
+    assert parser.parse_args(["--request-timeout", "2.5"]).request_timeout == 2.5
+    assert "--request-timeout" in parser.format_help()
+    for bad in ("0", "-1", "inf", "nan", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--request-timeout", bad])
+
+
 def test_round_robin_and_least_load():
     rr = RoundRobin()
     assert [rr.select("", {"a": 9, "b": 0, "c": 0}).worker for _ in range(4)] == ["a", "b", "c", "a"]
@@ -173,6 +244,8 @@ def test_round_robin_and_least_load():
     for policy in (rr, LeastLoad(), CacheAware()):
         with pytest.raises(ValueError):
             policy.select("x", {})
+        policy.retract(policy.select("x", {"a": 0}))  # nothing recorded is left behind
+        assert not isinstance(policy, CacheAware) or policy.tree("a").num_chars == 0
     with pytest.raises(ValueError):
         make_policy("random")
     assert make_policy("round_robin", cache_threshold=0.9).name == "round_robin"

@@ -13,23 +13,37 @@
   as it answers them without the router.
 - Failures: when a worker fails before the first byte of its response body (no connection, a
   dropped connection, a 503), the request goes to another healthy worker (each worker tried at
-  most once; none left: 503). Any other answer, 4xx or 5xx included, is relayed to the client as
-  it is. Only a refused connection takes the worker down at once; an answer, even a 503 or a 500,
+  most once). None left: the last 503 a worker answered is relayed as it came (status, body,
+  headers such as `Retry-After`, plus `x-llmjax-worker`), or, when no worker answered, the
+  router's own 503. Any other answer, 4xx or 5xx included, is relayed to the client as it is.
+  Only a refused connection takes the worker down at once; an answer, even a 503 or a 500,
   never does (its `/health` decides), and neither does a dropped connection (a keep-alive
   connection the worker closed as it was reused looks the same). A worker that fails later ends
   the relayed body: an SSE stream loses the incomplete event and gets an OpenAI error event and
   `[DONE]` (nothing more once the worker's `[DONE]` has been relayed); any other body is cut
   short (the client's connection is dropped). A client that disconnects first closes the
   worker's response, so the worker aborts the request.
+- Timeout (`request_timeout`, `--request-timeout`): a worker may stay silent that long, waiting
+  for its response headers or for the next chunk of its body (each wait on its own: a long
+  generation that keeps streaming is never cut). On expiry the worker's connection is closed and
+  its load released; before the first byte of the body the client gets a 504 (the request is not
+  retried: the worker may still be computing, and a retry would double the wait), later the
+  relay ends as for a failure (an SSE stream with an error event of code 504 and `[DONE]`).
+  sglang-router's `--request-timeout-secs` bounds the whole request instead.
+- One client request is one routing decision in the statistics: the decision of its last
+  attempt (the worker that served it, or the last one tried). The policy's record of a decision
+  (`cache_aware`: the key in the worker's tree) is retracted when that worker does not serve the
+  request (it failed, timed out, or the client left first): only the worker whose response is
+  relayed keeps the key.
 - Health: every `health_check_interval` seconds each worker's `/health` is fetched. A worker goes
   down after `health_failure_threshold` failed checks in a row (a busy replica may answer late; a
   request that cannot reach it takes it down at once) and is back on the first 200. A down worker
   gets no requests and the policy forgets its tree. The router's own `/health` is 200 while any
   worker is up.
 - `/metrics` (Prometheus): `llmjax:router_requests_total{worker}` (requests sent, retries
-  included), `llmjax:router_decisions_total{policy,reason}`, `llmjax:router_worker_failures_total`
-  (attempts that failed before the first byte),
-  `llmjax:router_failed_requests_total` (no worker could take it), gauges
+  included), `llmjax:router_decisions_total{policy,reason}` (one per routed request),
+  `llmjax:router_worker_failures_total` (attempts that failed or timed out before the first
+  byte), `llmjax:router_failed_requests_total` (no worker could take it, or one timed out), gauges
   `llmjax:router_requests_in_flight{worker}` and `llmjax:router_worker_up{worker}`.
   `/workers` lists the same per worker as JSON.
 
@@ -48,6 +62,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -115,11 +130,27 @@ class WorkerState:
 
 
 class _WorkerFailed(Exception):
-    """The worker failed before the first byte; `down`: it cannot be reached (connection refused)."""
+    """The worker failed before the first byte; `down`: it cannot be reached (connection refused);
+    `answer`: its 503, to relay when no other worker takes the request."""
 
-    def __init__(self, message: str, down: bool):
+    def __init__(self, message: str, down: bool, answer: Response | None = None):
         super().__init__(message)
-        self.down = down
+        self.down, self.answer = down, answer
+
+
+class _WorkerTimedOut(Exception):
+    """The worker sent nothing for `request_timeout` seconds before the first byte of its body."""
+
+
+def _attempt_error(exc: BaseException, what: str) -> Exception | None:
+    """What an exception raised while waiting for a worker's first byte means: `_WorkerTimedOut`,
+    `_WorkerFailed`, or None when it is no worker's failure (cancelled: re-raise it as it is)."""
+    if isinstance(exc, aiohttp.SocketTimeoutError):
+        return _WorkerTimedOut(f"{what}: {exc!r}")
+    if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)):
+        down = isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
+        return _WorkerFailed(f"{what} failed: {exc!r}", down)
+    return None
 
 
 # Not relayed either way: hop-by-hop headers (RFC 9110 §7.6.1), the ones each connection sets for
@@ -133,6 +164,11 @@ def _relayed(headers) -> dict[str, str]:
     """The end-to-end headers of a request or response (the client's `Authorization`, `Origin`,
     `x-request-id`; the worker's `retry-after`, CORS headers, ...)."""
     return {k: v for k, v in headers.items() if k.lower() not in _NOT_RELAYED}
+
+
+def _response_headers(upstream: aiohttp.ClientResponse, worker_url: str) -> dict[str, str]:
+    """The headers a worker's response is relayed with: its end-to-end ones and `x-llmjax-worker`."""
+    return {**_relayed(upstream.headers), "x-llmjax-worker": worker_url}
 
 
 class _Relay(StreamingResponse):
@@ -150,8 +186,8 @@ class _Relay(StreamingResponse):
 
     def __init__(self, upstream: aiohttp.ClientResponse, first: bytes, rest: AsyncIterator[bytes], worker_url: str,
                  on_close: Callable[[], None]):
-        headers = {**_relayed(upstream.headers), "x-llmjax-worker": worker_url}
-        super().__init__(self._chunks(first, rest), status_code=upstream.status, headers=headers)
+        super().__init__(self._chunks(first, rest), status_code=upstream.status,
+                         headers=_response_headers(upstream, worker_url))
         self.upstream, self.worker_url, self.on_close = upstream, worker_url, on_close
         self.sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
@@ -175,7 +211,10 @@ class _Relay(StreamingResponse):
         except aiohttp.ClientError as exc:
             log.warning("worker %s failed mid-stream: %r", self.worker_url, exc)
             if not done:
-                error = error_body(f"worker failed mid-stream: {exc!r}", "internal_server_error", code=502)
+                timed_out = isinstance(exc, aiohttp.SocketTimeoutError)
+                error = error_body(f"worker failed mid-stream: {exc!r}",
+                                   "gateway_timeout" if timed_out else "internal_server_error",
+                                   code=504 if timed_out else 502)
                 yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
         else:
             if tail:  # an unterminated last event: the worker ended there, so relayed as it is
@@ -221,25 +260,30 @@ class Router:
     """The worker table, the policy, the HTTP client and the health task (module docstring)."""
 
     def __init__(self, urls: list[str], policy: routing.RoutingPolicy, health_check_interval: float = 10.0,
-                 health_check_timeout: float = 5.0, health_failure_threshold: int = 3):
+                 health_check_timeout: float = 5.0, health_failure_threshold: int = 3,
+                 request_timeout: float = routing.DEFAULT_REQUEST_TIMEOUT):
         if not urls:
             raise ValueError("the router needs at least one worker URL")
+        if not 0 < request_timeout < math.inf:
+            raise ValueError(f"request_timeout must be a positive number of seconds, got {request_timeout}")
         self.workers = {u.rstrip("/"): WorkerState(u.rstrip("/")) for u in urls}
         self.policy = policy
         self.health_check_interval = health_check_interval
         self.health_check_timeout = health_check_timeout
         self.health_failure_threshold = health_failure_threshold
+        self.request_timeout = request_timeout
         self.session: aiohttp.ClientSession | None = None  # made by `start`, on the app's event loop
         self._health_task: asyncio.Task | None = None
         self.registry = CollectorRegistry()
         self.registry.register(_WorkerCollector(self.workers))
         self.requests = Counter("llmjax:router_requests", "Requests sent to each worker (retries included).",
                                 ["worker"], registry=self.registry)
-        self.decisions = Counter("llmjax:router_decisions", "Routing decisions by policy and reason.",
+        self.decisions = Counter("llmjax:router_decisions", "Routed requests by policy and the reason of the "
+                                 "decision that settled them.",
                                  ["policy", "reason"], registry=self.registry)
-        self.worker_failures = Counter("llmjax:router_worker_failures", "Attempts that failed before the first "
-                                       "byte (the request then goes to another worker).", registry=self.registry)
-        self.failed = Counter("llmjax:router_failed_requests", "Requests no worker could take.",
+        self.worker_failures = Counter("llmjax:router_worker_failures", "Attempts that failed or timed out before "
+                                       "the first byte.", registry=self.registry)
+        self.failed = Counter("llmjax:router_failed_requests", "Requests no worker could take, or one timed out.",
                               registry=self.registry)
 
     # --- health ---------------------------------------------------------------------------------------
@@ -249,7 +293,7 @@ class Router:
         # default) closes them under us; a request that fails before its first byte is retried anyway.
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False, timeout=aiohttp.ClientTimeout(
-            total=None, connect=self.health_check_timeout))
+            total=None, connect=self.health_check_timeout, sock_read=self.request_timeout))
         await self.check_all()
         self._health_task = asyncio.create_task(self._health_loop())
 
@@ -301,46 +345,69 @@ class Router:
 
     async def relay(self, request: Request, path: str, routed: bool) -> Response:
         """Relay one request: to the policy's choice (`routed`) or the least-loaded worker, then to
-        the others in turn while they fail before the first byte."""
+        the others in turn while they fail before the first byte. A routed request counts one
+        decision, its last one; every decision whose worker did not serve it is retracted."""
         body = await request.body()
         text, tenant = _routing_input(path, body) if routed else ("", None)
         tried: set[str] = set()
-        while loads := self.loads(exclude=tried):
-            if routed:
-                decision = self.policy.select(text, loads, tenant)
+        decision: routing.Decision | None = None
+        refusal: Response | None = None  # the last 503 a worker answered
+        try:
+            while loads := self.loads(exclude=tried):
+                if routed:
+                    decision = self.policy.select(text, loads, tenant)
+                    url = decision.worker
+                else:
+                    url = min(loads, key=loads.__getitem__)
+                tried.add(url)
+                try:
+                    return await self._attempt(request, self.workers[url], decision, path, body)
+                except _WorkerFailed as exc:
+                    log.warning("worker %s failed before the first byte: %s", url, exc)
+                    if exc.down:
+                        self._mark_down(self.workers[url], str(exc))
+                    self.worker_failures.inc()
+                    if exc.answer is not None:
+                        refusal = exc.answer
+            self.failed.inc()
+            if refusal is not None:
+                return refusal
+            return JSONResponse(error_body("no healthy worker can take the request", "service_unavailable", code=503),
+                                status_code=503)
+        finally:
+            if decision is not None:
                 self.decisions.labels(self.policy.name, decision.reason).inc()
-                url = decision.worker
-            else:
-                url = min(loads, key=loads.__getitem__)
-            tried.add(url)
-            worker = self.workers[url]
-            worker.in_flight += 1
-            worker.requests += 1
-            self.requests.labels(url).inc()
-            try:
-                response = await self._open(request, worker, path, body)
-            except _WorkerFailed as exc:
+
+    async def _attempt(self, request: Request, worker: WorkerState, decision: routing.Decision | None, path: str,
+                       body: bytes) -> Response:
+        """One attempt on `worker`: the relay of its response, a 504 when it timed out, a 499 when
+        the client left first; `_WorkerFailed` when it failed before the first byte. Unless its
+        response is relayed (the relay releases it when it ends), the worker's load is released
+        here and `decision` retracted."""
+        worker.in_flight += 1
+        worker.requests += 1
+        self.requests.labels(worker.url).inc()
+        relay: Response | None = None
+        try:
+            relay = await self._open(request, worker, path, body)
+        except _WorkerTimedOut as exc:
+            log.warning("worker %s timed out before the first byte: %s", worker.url, exc)
+            self.worker_failures.inc()
+            self.failed.inc()
+            message = f"worker {worker.url} sent nothing for {self.request_timeout:g} s"
+            return JSONResponse(error_body(message, "gateway_timeout", code=504), status_code=504)
+        finally:
+            if relay is None:
                 self._release(worker)
-                log.warning("worker %s failed before the first byte: %s", url, exc)
-                if exc.down:
-                    self._mark_down(worker, str(exc))
-                self.worker_failures.inc()
-            except BaseException:
-                self._release(worker)
-                raise
-            else:
-                if response is None:  # the client left
-                    self._release(worker)
-                    return Response(status_code=499)
-                return response
-        self.failed.inc()
-        return JSONResponse(error_body("no healthy worker can take the request", "service_unavailable", code=503),
-                            status_code=503)
+                if decision is not None:
+                    self.policy.retract(decision)
+        return relay if relay is not None else Response(status_code=499)
 
     async def _open(self, request: Request, worker: WorkerState, path: str, body: bytes) -> Response | None:
         """Send the request to `worker` and wait for the first byte of its body; the relay of the
-        response, or None when the client left first. `_WorkerFailed` (nothing relayed yet) when
-        the worker cannot be reached, drops the connection or answers 503."""
+        response, or None when the client left first. Nothing relayed yet: `_WorkerFailed` when
+        the worker cannot be reached, drops the connection or answers 503, `_WorkerTimedOut` when
+        it sends nothing for `request_timeout` seconds."""
         headers = {"content-type": "application/json", **_relayed(request.headers)}
         opening = asyncio.ensure_future(self._first_byte(request.method, worker.url, path, body, headers))
         watch = asyncio.ensure_future(wait_for_disconnect(request))
@@ -357,21 +424,22 @@ class Router:
                 await asyncio.wait({opening})  # it closes its response
 
     async def _first_byte(self, method: str, worker_url: str, path: str, body: bytes, headers: dict[str, str]):
+        """(response, its first chunk, the rest); on any failure the response is let go."""
+        upstream: aiohttp.ClientResponse | None = None
         try:
             upstream = await self.session.request(method, worker_url + path, data=body, headers=headers)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            down = isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
-            raise _WorkerFailed(f"{path} failed: {exc!r}", down) from exc
-        try:
             if upstream.status == 503:
-                raise _WorkerFailed(f"{path} 503: {(await upstream.read())[:200]!r}", down=False)
+                answer = Response(await upstream.read(), 503, _response_headers(upstream, worker_url))
+                raise _WorkerFailed(f"{path} 503: {answer.body[:200]!r}", down=False, answer=answer)
             rest = upstream.content.iter_any()
             return upstream, await anext(rest, b""), rest
         except BaseException as exc:
-            _let_go(upstream)
-            if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)):
-                raise _WorkerFailed(f"{path} failed before the body: {exc!r}", down=False) from exc
-            raise
+            if upstream is not None:
+                _let_go(upstream)
+            error = _attempt_error(exc, path)
+            if error is None:
+                raise
+            raise error from exc
 
     # --- the router's own endpoints ---------------------------------------------------------------------
     async def health(self) -> Response:
@@ -401,9 +469,12 @@ def _routing_input(path: str, body: bytes) -> tuple[str, str | None]:
 
 
 def build_router_app(urls: list[str], policy: routing.RoutingPolicy, health_check_interval: float = 10.0,
-                     health_check_timeout: float = 5.0, health_failure_threshold: int = 3) -> FastAPI:
-    """The router app; its lifespan checks the workers once, then runs the health task."""
-    router = Router(urls, policy, health_check_interval, health_check_timeout, health_failure_threshold)
+                     health_check_timeout: float = 5.0, health_failure_threshold: int = 3,
+                     request_timeout: float = routing.DEFAULT_REQUEST_TIMEOUT) -> FastAPI:
+    """The router app (`Router`'s arguments); its lifespan checks the workers once, then runs the
+    health task."""
+    router = Router(urls, policy, health_check_interval, health_check_timeout, health_failure_threshold,
+                    request_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -439,7 +510,7 @@ def serve_router(urls: list[str], args: argparse.Namespace) -> None:
     import uvicorn
 
     app = build_router_app(urls, routing.policy_from_args(args), args.health_check_interval,
-                           args.health_check_timeout, args.health_failure_threshold)
+                           args.health_check_timeout, args.health_failure_threshold, args.request_timeout)
     print(f"routing ({args.policy}) over {len(urls)} workers at http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                 timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

@@ -16,7 +16,8 @@ only), and returns a `Decision`: the worker and why.
   text; else the least-loaded worker (ties: the smaller tree, then the earlier worker). SGLang
   sends that last case to the smallest tree instead; least load spreads new prefix families over
   idle replicas first. Every decision, imbalanced ones included, inserts the key into the chosen
-  worker's tree.
+  worker's tree at once (so a burst of one prefix family sticks together before any answer);
+  `retract(decision)` takes it out again when that worker did not serve the request.
 
 Not thread-safe: one owner calls a policy (the router's event loop, or the simulation driver).
 """
@@ -27,7 +28,7 @@ import argparse
 import heapq
 import itertools
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmjax.cli_types import UsageError, fraction, non_negative_int, positive_int, positive_number, positive_seconds
 
@@ -40,6 +41,9 @@ DEFAULT_CACHE_THRESHOLD = 0.5
 DEFAULT_BALANCE_ABS_THRESHOLD = 32
 DEFAULT_BALANCE_REL_THRESHOLD = 1.0001
 DEFAULT_MAX_TREE_CHARS = 2**24
+# The longest silence allowed of a worker (the router's `request_timeout`): far beyond a prefill or a
+# decode step, so only a hung worker meets it.
+DEFAULT_REQUEST_TIMEOUT = 600.0
 POLICIES = ("cache_aware", "round_robin", "least_load")
 
 
@@ -50,13 +54,32 @@ def routing_key(text: str, tenant: str | None = None) -> str:
 
 
 class _Node:
-    __slots__ = ("edge", "parent", "children", "last_access")
+    __slots__ = ("edge", "parent", "children", "last_access", "ends")
 
     def __init__(self, edge: str, parent: _Node | None, last_access: int):
         self.edge = edge
         self.parent = parent
         self.children: dict[str, _Node] = {}  # first character of the child's edge -> child
         self.last_access = last_access
+        self.ends = 0  # inserts not undone whose key ends here
+
+
+class Insertion:
+    """One `ApproxRadixTree.insert`, to be undone at most once (`undo`)."""
+
+    __slots__ = ("tree", "node", "undone")
+
+    def __init__(self, tree: ApproxRadixTree, node: _Node):
+        self.tree, self.node, self.undone = tree, node, False
+
+    def undo(self) -> None:
+        """Take the key out of the tree again, as if never inserted, except for the LRU refresh of
+        its path: the nodes no other stored key ends at or passes through go. A no-op for what was
+        evicted meanwhile. ValueError when undone already."""
+        if self.undone:
+            raise ValueError("this insertion was undone already")
+        self.undone = True
+        self.tree._undo(self.node)
 
 
 def _common_prefix_len(text: str, start: int, edge: str) -> int:
@@ -101,10 +124,11 @@ class ApproxRadixTree:
             node = child
         return i
 
-    def insert(self, key: str) -> None:
-        """Store `key` and mark its path most recently used; then evict down to `max_chars`."""
+    def insert(self, key: str) -> Insertion | None:
+        """Store `key` and mark its path most recently used; then evict down to `max_chars`. The
+        insertion (to undo it) or, for the empty key, which stores nothing, None."""
         if not key:
-            return
+            return None
         self._clock += 1
         node, i = self._root, 0
         while i < len(key):
@@ -122,9 +146,19 @@ class ApproxRadixTree:
                 child = self._split(child, n)
             node, i = child, i + n
         node.last_access = self._clock
+        node.ends += 1
         if not node.children:
             self._push_leaf(node)
         self._evict()
+        return Insertion(self, node)
+
+    def _undo(self, node: _Node) -> None:
+        """One key ending at `node` less; then drop the nodes left holding no key, bottom up."""
+        node.ends -= 1
+        while node.parent is not None and not node.children and node.ends == 0:
+            parent = node.parent
+            self._remove_leaf(node)
+            node = parent
 
     def _split(self, child: _Node, n: int) -> _Node:
         """Cut `child`'s edge after `n` characters; returns the new upper node."""
@@ -151,35 +185,44 @@ class ApproxRadixTree:
             entry = heapq.heappop(self._leaves)
             if not self._live_leaf(entry):
                 continue
-            leaf = entry[2]
-            parent = leaf.parent
-            del parent.children[leaf.edge[0]]
-            leaf.parent = None
-            self.num_chars -= len(leaf.edge)
-            self._num_nodes -= 1
-            if parent is not self._root and not parent.children:
-                self._push_leaf(parent)
+            self._remove_leaf(entry[2])
+
+    def _remove_leaf(self, leaf: _Node) -> None:
+        parent = leaf.parent
+        del parent.children[leaf.edge[0]]
+        leaf.parent = None
+        self.num_chars -= len(leaf.edge)
+        self._num_nodes -= 1
+        if parent is not self._root and not parent.children:
+            self._push_leaf(parent)
 
 
 @dataclass(frozen=True)
 class Decision:
     """A routing decision: the chosen worker and the rule that chose it (`round_robin`,
-    `least_load`, `imbalanced`, `cache_hit`, `cache_miss`)."""
+    `least_load`, `imbalanced`, `cache_hit`, `cache_miss`); `insertion`: what the policy recorded
+    for it (`CacheAware`: the key in the worker's tree), which `retract` undoes."""
 
     worker: Worker
     reason: str
+    insertion: Insertion | None = field(default=None, compare=False, repr=False)
 
 
 class RoutingPolicy:
     """Base class. `select(text, loads, tenant=None)`: the request's text and tenant (`cache_salt`);
     `loads` maps each candidate worker (healthy, in the router's order) to its requests in flight;
-    ValueError when it is empty. `forget(worker)` drops what the policy remembers of a worker (its
-    cache is presumed lost: it died or restarted)."""
+    ValueError when it is empty. `retract(decision)`, at most once per decision: its worker did not
+    serve the request (it failed, timed out, or the client left first), so the policy forgets what
+    `select` recorded for it; a request served is never retracted. `forget(worker)` drops what the
+    policy remembers of a worker (its cache is presumed lost: it died or restarted)."""
 
     name = ""
 
     def select(self, text: str, loads: Mapping[Worker, int], tenant: str | None = None) -> Decision:
         raise NotImplementedError
+
+    def retract(self, decision: Decision) -> None:
+        pass
 
     def forget(self, worker: Worker) -> None:
         pass
@@ -234,6 +277,11 @@ class CacheAware(RoutingPolicy):
             self.trees[worker] = ApproxRadixTree(self.max_tree_chars)
         return self.trees[worker]
 
+    def retract(self, decision: Decision) -> None:
+        """Undo the decision's insertion (a no-op once its worker was forgotten: that tree is gone)."""
+        if decision.insertion is not None:
+            decision.insertion.undo()
+
     def forget(self, worker: Worker) -> None:
         self.trees.pop(worker, None)
 
@@ -251,16 +299,15 @@ class CacheAware(RoutingPolicy):
             return min(workers, key=lambda w: (loads[w], self.tree(w).num_chars))
 
         if self.imbalanced(loads):
-            decision = Decision(least_loaded(), "imbalanced")
+            worker, reason = least_loaded(), "imbalanced"
         else:
             matched = {w: max(self.tree(w).match(key) - tenant_chars, 0) for w in workers}  # of the text
             best = min(workers, key=lambda w: (-matched[w], loads[w]))
             if text and matched[best] / len(text) > self.cache_threshold:
-                decision = Decision(best, "cache_hit")
+                worker, reason = best, "cache_hit"
             else:
-                decision = Decision(least_loaded(), "cache_miss")
-        self.tree(decision.worker).insert(key)
-        return decision
+                worker, reason = least_loaded(), "cache_miss"
+        return Decision(worker, reason, self.tree(worker).insert(key))
 
 
 def make_policy(name: str, **cache_aware_options) -> RoutingPolicy:
@@ -282,7 +329,8 @@ CACHE_AWARE_FLAGS = {"cache_threshold": "--cache-threshold", "balance_abs_thresh
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
-    """The router's flags: policy, thresholds, health checks (`llmjax router`, `llmjax cluster`)."""
+    """The router's flags: policy, thresholds, health checks, the request timeout (`llmjax router`,
+    `llmjax cluster`)."""
     parser.add_argument("--policy", choices=POLICIES, default="cache_aware")
     parser.add_argument("--cache-threshold", type=fraction, default=None,
                         help="cache_aware: go to the best-matching worker when more than this fraction of the "
@@ -302,6 +350,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds a /health check or a connection attempt may take (default %(default)s)")
     parser.add_argument("--health-failure-threshold", type=positive_int, default=3,
                         help="failed /health checks in a row that take a worker out (default %(default)s)")
+    parser.add_argument("--request-timeout", type=positive_seconds, default=DEFAULT_REQUEST_TIMEOUT,
+                        help="seconds a worker may stay silent, waiting for its response headers or for the next "
+                             "chunk of its body (each wait on its own, so a long stream is never cut); then the "
+                             "client gets a 504, or a stream ends with an error event (default %(default)s)")
 
 
 def check_router_args(args: argparse.Namespace) -> None:
