@@ -229,7 +229,7 @@ def test_retracting_after_forget_leaves_the_new_tree_alone():
 def test_request_timeout_flag():
     parser = argparse.ArgumentParser(prog="llmjax router")
     routing.add_router_args(parser)
-    assert parser.parse_args([]).request_timeout == routing.DEFAULT_REQUEST_TIMEOUT == 600
+    assert parser.parse_args([]).request_timeout == routing.DEFAULT_REQUEST_TIMEOUT == 1800
     assert parser.parse_args(["--request-timeout", "2.5"]).request_timeout == 2.5
     assert "--request-timeout" in parser.format_help()
     for bad in ("0", "-1", "inf", "nan", "x"):

@@ -41,9 +41,10 @@ DEFAULT_CACHE_THRESHOLD = 0.5
 DEFAULT_BALANCE_ABS_THRESHOLD = 32
 DEFAULT_BALANCE_REL_THRESHOLD = 1.0001
 DEFAULT_MAX_TREE_CHARS = 2**24
-# The longest silence allowed of a worker (the router's `request_timeout`): far beyond a prefill or a
-# decode step, so only a hung worker meets it.
-DEFAULT_REQUEST_TIMEOUT = 600.0
+# The longest silence allowed of a worker (the router's `request_timeout`). A non-streamed request
+# is silent until its whole completion is made, which on a loaded CPU replica can take minutes, so
+# the default is sglang-router's 30 minutes (there for the whole request).
+DEFAULT_REQUEST_TIMEOUT = 1800.0
 POLICIES = ("cache_aware", "round_robin", "least_load")
 
 
