@@ -218,6 +218,23 @@ def test_a_retried_request_is_one_decision_and_only_the_serving_worker_keeps_its
         assert all(w["in_flight"] == 0 for w in httpx.get(f"{router}/workers", timeout=TIMEOUT).json())
 
 
+def test_a_prompt_a_worker_refused_leaves_no_prefix_in_its_tree():
+    """An error answer (a 400: nothing computed) is relayed, and the cache-aware policy forgets the
+    prompt for that worker; a success keeps it."""
+    a = StubWorker("a")
+    policy = CacheAware()
+    with running_server(a.app) as url_a, running_server(build_router_app([url_a], policy, 3600)) as router:
+        a.fail_with = 400
+        r = httpx.post(f"{router}/v1/completions", json={"prompt": "refused system prompt"}, timeout=TIMEOUT)
+        assert r.status_code == 400
+        assert policy.tree(url_a).match(routing_key("refused system prompt")) == 0
+        a.fail_with = None
+        assert httpx.post(f"{router}/v1/completions", json={"prompt": "served system prompt"},
+                          timeout=TIMEOUT).json()["choices"][0]["text"] == "a"
+        assert policy.tree(url_a).match(routing_key("served system prompt")) == len("served system prompt")
+        assert metrics(router)["llmjax:router_decisions_total"] == 2
+
+
 def test_when_every_worker_answers_503_the_last_answer_is_relayed():
     """Round robin tries a, then b: the client gets b's 503 as b sent it, Retry-After included."""
     a, b = StubWorker("a"), StubWorker("b")

@@ -33,18 +33,19 @@
 - One client request is one routing decision in the statistics: the decision of its last
   attempt (the worker that served it, or the last one tried). The policy's record of a decision
   (`cache_aware`: the key in the worker's tree) is retracted when that worker does not serve the
-  request (it failed, timed out, or the client left first): only the worker whose response is
-  relayed keeps the key.
+  request (it failed, timed out, or the client left first) or answers it with an error status (a
+  400 computed nothing): only a worker whose success is relayed keeps the key.
 - Health: every `health_check_interval` seconds each worker's `/health` is fetched. A worker goes
   down after `health_failure_threshold` failed checks in a row (a busy replica may answer late; a
   request that cannot reach it takes it down at once) and is back on the first 200. A down worker
   gets no requests and the policy forgets its tree. The router's own `/health` is 200 while any
   worker is up.
 - `/metrics` (Prometheus): `llmjax:router_requests_total{worker}` (requests sent, retries
-  included), `llmjax:router_decisions_total{policy,reason}` (one per routed request),
-  `llmjax:router_worker_failures_total` (attempts that failed or timed out before the first
-  byte), `llmjax:router_failed_requests_total` (no worker could take it, or one timed out), gauges
-  `llmjax:router_requests_in_flight{worker}` and `llmjax:router_worker_up{worker}`.
+  included), `llmjax:router_decisions_total{policy,reason}` (one per routed request a worker
+  was chosen for), `llmjax:router_worker_failures_total` (attempts that failed or timed out
+  before the first byte), `llmjax:router_failed_requests_total` (no worker could take it, or one
+  timed out before the first byte), gauges `llmjax:router_requests_in_flight{worker}` and
+  `llmjax:router_worker_up{worker}`.
   `/workers` lists the same per worker as JSON.
 
 Threads: everything (handlers, the health task, the policy, the worker table) runs on the app's
@@ -278,12 +279,13 @@ class Router:
         self.registry.register(_WorkerCollector(self.workers))
         self.requests = Counter("llmjax:router_requests", "Requests sent to each worker (retries included).",
                                 ["worker"], registry=self.registry)
-        self.decisions = Counter("llmjax:router_decisions", "Routed requests by policy and the reason of the "
-                                 "decision that settled them.",
+        self.decisions = Counter("llmjax:router_decisions", "Routed requests a worker was chosen for, by policy "
+                                 "and the reason of the decision that settled them.",
                                  ["policy", "reason"], registry=self.registry)
         self.worker_failures = Counter("llmjax:router_worker_failures", "Attempts that failed or timed out before "
                                        "the first byte.", registry=self.registry)
-        self.failed = Counter("llmjax:router_failed_requests", "Requests no worker could take, or one timed out.",
+        self.failed = Counter("llmjax:router_failed_requests", "Requests no worker could take, or one timed out "
+                              "before the first byte.",
                               registry=self.registry)
 
     # --- health ---------------------------------------------------------------------------------------
@@ -346,7 +348,8 @@ class Router:
     async def relay(self, request: Request, path: str, routed: bool) -> Response:
         """Relay one request: to the policy's choice (`routed`) or the least-loaded worker, then to
         the others in turn while they fail before the first byte. A routed request counts one
-        decision, its last one; every decision whose worker did not serve it is retracted."""
+        decision, its last one; every decision whose worker did not serve it, or answered it with
+        an error status, is retracted."""
         body = await request.body()
         text, tenant = _routing_input(path, body) if routed else ("", None)
         tried: set[str] = set()
@@ -383,7 +386,7 @@ class Router:
         """One attempt on `worker`: the relay of its response, a 504 when it timed out, a 499 when
         the client left first; `_WorkerFailed` when it failed before the first byte. Unless its
         response is relayed (the relay releases it when it ends), the worker's load is released
-        here and `decision` retracted."""
+        here; unless it is relayed with a success status, `decision` is retracted."""
         worker.in_flight += 1
         worker.requests += 1
         self.requests.labels(worker.url).inc()
@@ -399,8 +402,8 @@ class Router:
         finally:
             if relay is None:
                 self._release(worker)
-                if decision is not None:
-                    self.policy.retract(decision)
+            if decision is not None and (relay is None or relay.status_code >= 400):
+                self.policy.retract(decision)  # the worker computed nothing of this prompt to reuse
         return relay if relay is not None else Response(status_code=499)
 
     async def _open(self, request: Request, worker: WorkerState, path: str, body: bytes) -> Response | None:
