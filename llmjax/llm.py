@@ -98,11 +98,16 @@ class LLM:
         A message's `content` is a string or a list of OpenAI text parts (`{"type": "text", "text":
         ...}`, joined by newlines, as in vLLM and the server). A content the server would refuse (an
         image part, a missing text) raises ValueError with the server's message, its place given as
-        `messages.I...` (one conversation) or `messages.C.I...`, with nothing queued."""
+        `messages.I...` (one conversation) or `messages.C.I...`, with nothing queued; so does a
+        conversation that is no list of messages (a string, say)."""
         conversations = list(conversations)
         single = bool(conversations) and isinstance(conversations[0], Mapping)
         if single:
             conversations = [conversations]
+        for c, conversation in enumerate(conversations):
+            if isinstance(conversation, (str, bytes, Mapping)) or not isinstance(conversation, Sequence):
+                raise ValueError(f"messages{'' if single else f'.{c}'}: a conversation is a list of messages "
+                                 f"(mappings with 'role' and 'content'), got {conversation!r:.80}")
         ids = [self.tokenizer.encode_chat([_template_message(m, ("messages", *(() if single else (c,)), i))
                                            for i, m in enumerate(conversation)], add_generation_prompt)
                for c, conversation in enumerate(conversations)]

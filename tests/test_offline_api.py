@@ -106,7 +106,9 @@ IMAGE = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}
      r"^messages\.1\.1\.content\.0\.type: Input should be 'text'"),
     ([{"role": "user", "content": [{"type": "text"}]}], r"^messages\.0\.content\.0\.text: Field required"),
     ([{"role": "user"}], r"^messages\.0\.content: Field required"),
-    (["hi"], r"^messages\.0\.0: a message is a mapping"),
+    (["hi"], r"^messages\.0: a conversation is a list of messages"),
+    ([[{"role": "user", "content": "ok"}], "hi"], r"^messages\.1: a conversation is a list of messages"),
+    ([["hi"]], r"^messages\.0\.0: a message is a mapping"),
 ])
 def test_chat_refuses_other_content_with_the_servers_message(llm, conversations, message):
     with pytest.raises(ValueError, match=message):
