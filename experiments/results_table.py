@@ -194,7 +194,11 @@ def host_overhead(d: dict, n: Numbers) -> str:
             f"them; the jitted call {n(c['call_after_step'], '.0f', 1e6)} us of CPU right after a device step, "
             f"{n(c['call_back_to_back'], '.0f', 1e6)} us back to back; the fetch "
             f"{n(c['fetch_after_step'], '.0f', 1e6)} / {n(c['fetch_hot'], '.0f', 1e6)} us; so with hot caches a "
-            f"step's host work is {n(c['hot_host_ms'], '.2f')} ms")
+            f"step's host work is {n(c['hot_host_ms'], '.2f')} ms" + "".join(
+                f"; on an emulated accelerator with {n(r['idle_device_ms'], 'g')} ms steps that use no host core, "
+                f"{n(r['concurrency'], 'd')} decodes, {r['outputs']} outputs: {n(r['sync_host_ms'], '.2f')} ms of "
+                f"host time, {n(r['hidden'], '.0%')} hidden"
+                for r in d.get("emulated_rows", ()) if r["concurrency"] == 256))
 
 
 def stream_interval(d: dict, n: Numbers) -> str:

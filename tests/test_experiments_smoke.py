@@ -208,3 +208,32 @@ def test_host_overhead_phases_and_cache_effect_run_on_a_tiny_engine(output_kind)
     assert len(result["hidden_pairs"]) == 2
     effect = host_overhead.cache_effect(8, output_kind, steps=2, context=32)
     assert effect["hot_total"] > 0 and effect["streamed_total"] > 0 and effect["fetch_hot"] > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_host_overhead_emulated_device_feeds_tokens_and_takes_its_time(async_scheduling):
+    """The emulated accelerator's step samples (last token + 1) mod vocab for every request, so
+    each request's outputs count up by one from its last prompt-phase token whether the token it
+    feeds comes from the host or (asynchronous scheduling) from the previous step on the device;
+    and its step lasts at least the requested time (nanosleep never wakes early)."""
+    import time
+
+    import host_overhead
+
+    engine = host_overhead.decoding_engine(4, async_scheduling, "final", idle_device_ms=3.0)
+    vocab = engine.model_config.vocab_size
+    engine.wait_in_flight()
+    start = {r.request_id: len(r.output_token_ids) for r in engine.scheduler.running}
+    t0 = time.perf_counter()
+    for _ in range(6):
+        engine.step()
+    engine.wait_in_flight()
+    elapsed = time.perf_counter() - t0
+    engine.step()  # applies the step left in flight
+    for request in engine.scheduler.running:
+        out = request.output_token_ids
+        first = start[request.request_id]
+        emulated = out[first:]
+        assert len(emulated) >= 6
+        assert emulated == [(out[first - 1] + 1 + i) % vocab for i in range(len(emulated))]
+    assert elapsed >= 6 * 3e-3
