@@ -48,6 +48,8 @@ XLA:CPU's dispatch does not).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import multiprocessing
 import statistics
 import sys
@@ -72,6 +74,7 @@ IDLE_DEVICE_TARGET = "llmjax_idle_device"
 IDLE_DEVICE = native.NativeKernel(ROOT / "experiments" / "cpu_kernels" / "idle_device.cc",
                                   ((IDLE_DEVICE_TARGET, "LlmjaxIdleDevice"),), label="idle-device kernel",
                                   fallback="nothing: the emulated-accelerator table is left out")
+SPAN_CAPACITY = 4096  # recorded device waits read at once (a block has `steps` of them)
 
 
 def counters(engine) -> dict[str, float]:
@@ -114,6 +117,25 @@ def idle_device_step(max_num_seqs: int, vocab_size: int, micros: int):
         return padded, packed, cache, penalties
 
     return jax.jit(step, static_argnums=(5, 6), donate_argnums=(1, 2))
+
+
+@functools.cache
+def _idle_device_library() -> ctypes.CDLL:
+    """The loaded idle-device library (the one `native.load` registered: same path, same handle)."""
+    lib = ctypes.CDLL(str(native.build_library(IDLE_DEVICE)))
+    lib.LlmjaxIdleDeviceSpans.argtypes = (ctypes.c_void_p, ctypes.c_int64)
+    lib.LlmjaxIdleDeviceSpans.restype = ctypes.c_int64
+    return lib
+
+
+def device_gaps() -> np.ndarray:
+    """Seconds the emulated device sat idle between consecutive steps (a wait's begin minus the
+    previous wait's end: XLA's launch and the step's other operations, and any time the device
+    waited for the host), over the waits recorded since the last call, which it forgets. Call it
+    with no step in flight."""
+    spans = np.zeros((SPAN_CAPACITY, 2), np.int64)
+    n = _idle_device_library().LlmjaxIdleDeviceSpans(spans.ctypes.data, SPAN_CAPACITY)
+    return (spans[1:n, 0] - spans[: max(n - 1, 0), 1]) / 1e9
 
 
 def decoding_engine(n: int, async_scheduling: bool, output_kind: str, idle_device_ms: float | None = None):
@@ -191,13 +213,17 @@ def measure(n: int, output_kind: str, blocks: int, steps: int, idle_device_ms: f
     for block in range(blocks):
         for mode in ("sync", "async") if block % 2 == 0 else ("async", "sync"):
             engine = engines[mode]
+            if idle_device_ms is not None:
+                device_gaps()  # forget the waits before this block
             before, t0, c0 = counters(engine), time.perf_counter(), time.thread_time()
             for _ in range(steps):
                 engine.step()
             engine.wait_in_flight()  # the block's last step computes inside it, not in the next block
             wall, cpu = (time.perf_counter() - t0) / steps, (time.thread_time() - c0) / steps
             after = counters(engine)
-            samples[mode].append({"wall": wall, "cpu": cpu, **{k: (after[k] - before[k]) / steps for k in after}})
+            gap = {} if idle_device_ms is None else {"device_gap": float(np.mean(device_gaps()))}
+            samples[mode].append({"wall": wall, "cpu": cpu, **gap,
+                                  **{k: (after[k] - before[k]) / steps for k in after}})
     out = {mode: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for mode, runs in samples.items()}
     for mode, engine in engines.items():
         spent = time_runtime_calls(engine)
@@ -205,31 +231,34 @@ def measure(n: int, output_kind: str, blocks: int, steps: int, idle_device_ms: f
             engine.step()
         out[mode]["runtime_cpu"] = spent[0] / steps
         assert len(engine.scheduler.running) == n, "every request must still be decoding"
-    device_period = None if idle_device_ms is None else back_to_back_period(engines["sync"], steps)
+    device_period, back_to_back_gap = (None, None) if idle_device_ms is None else back_to_back(engines["sync"], steps)
     pairs = [(s["wall"] - a["wall"]) / (s["wall"] - (s["wait"] if device_period is None else device_period))
              for s, a in zip(samples["sync"], samples["async"])]
     for r in out.values():
         r["host"] = sum(r[p] for p in PHASES)
-    return {**out, "hidden_pairs": pairs, "device_period": device_period}
+    return {**out, "hidden_pairs": pairs, "device_period": device_period, "back_to_back_gap": back_to_back_gap}
 
 
-def back_to_back_period(engine, steps: int, repeats: int = 3) -> float:
-    """Seconds per step of the engine's device with `steps` steps dispatched back to back (the
-    same inputs each time: the device never waits for the host), the median of `repeats` runs.
-    Schedules one more step, which it does not apply: call it when the engine's timed steps are done."""
+def back_to_back(engine, steps: int, repeats: int = 3) -> tuple[float, float]:
+    """Seconds per step of the engine's emulated device with `steps` steps dispatched back to back
+    (the same inputs each time: the device never waits for the host), and its mean idle time between
+    them (`device_gaps`), each the median of `repeats` runs. Schedules one more step, which it does
+    not apply: call it when the engine's timed steps are done."""
     import jax
 
     runner = engine.runner
     step_args = runner.prepare(engine.scheduler.schedule())
     jax.block_until_ready(runner.run(*step_args))
-    periods = []
+    periods, gaps = [], []
     for _ in range(repeats):
+        device_gaps()
         t0 = time.perf_counter()
         for _ in range(steps):
             last = runner.run(*step_args)
         jax.block_until_ready(last)
         periods.append((time.perf_counter() - t0) / steps)
-    return statistics.median(periods)
+        gaps.append(float(np.mean(device_gaps())))
+    return statistics.median(periods), statistics.median(gaps)
 
 
 CACHE_PHASES = ("schedule", "prepare", "apply")  # apply: the scheduler's update, then text and outputs
@@ -393,24 +422,26 @@ def main() -> None:
             f"that measure; the rest is XLA's threads holding the shared cores; {r['sync_runtime_cpu_ms']:.2f} ms "
             f"of it is inside the jitted call and the fetch, {r['sync_cpu_ms'] - r['sync_runtime_cpu_ms']:.2f} ms "
             f"the engine's own Python), and asynchronous scheduling hides "
-            f"{100 * r['hidden']:.0f}% of the wall-clock host time (target >= {100 * TARGET_HIDDEN:.0f}%: "
+            f"{100 * r['hidden']:.1f}% of the wall-clock host time (target >= {100 * TARGET_HIDDEN:.0f}%: "
             f"{'met' if r['hidden'] >= TARGET_HIDDEN else 'not met'}).")
     emulated_lines = ["| device ms | decodes | outputs | device ms/step back to back | sync wall ms/step "
                       "| sync host ms (wall - wait) | sync host thread CPU ms | async wall ms/step "
-                      "| hidden (range over block pairs) |", "|" + " --- |" * 9]
+                      "| device idle between steps ms: back to back / async "
+                      "| hidden (range over block pairs) |", "|" + " --- |" * 10]
     for r in emulated:
         pairs = r["hidden_pairs"]
         emulated_lines.append(
             f"| {r['idle_device_ms']:g} | {r['concurrency']} | {r['outputs']} | {1e3 * r['device_period']:.2f} "
             f"| {1e3 * r['sync']['wall']:.2f} | {r['sync_host_ms']:.2f} | {r['sync_cpu_ms']:.2f} "
             f"| {1e3 * r['async']['wall']:.2f} "
+            f"| {1e3 * r['back_to_back_gap']:.2f} / {1e3 * r['async']['device_gap']:.2f} "
             f"| {100 * r['hidden']:.0f}% ({100 * min(pairs):.0f} to {100 * max(pairs):.0f}%) |")
     emulated_findings = [
         f"On the emulated accelerator with {r['idle_device_ms']:g} ms steps, at 256 decodes with {r['outputs']} "
         f"outputs the synchronous step spends {r['sync_host_ms']:.2f} ms on the host "
         f"(target <= {TARGET_HOST_MS:.1f} ms: "
         f"{'met' if r['sync_host_ms'] <= TARGET_HOST_MS else 'not met'}) and asynchronous scheduling hides "
-        f"{100 * r['hidden']:.0f}% of what the host adds to a step (target >= {100 * TARGET_HIDDEN:.0f}%: "
+        f"{100 * r['hidden']:.1f}% of what the host adds to a step (target >= {100 * TARGET_HIDDEN:.0f}%: "
         f"{'met' if r['hidden'] >= TARGET_HIDDEN else 'not met'})."
         for r in emulated if r["concurrency"] == 256]
     emulated_section = [
@@ -423,7 +454,10 @@ def main() -> None:
         "async wall) / (sync wall - that device time), per pair of neighbouring blocks: of what the host adds to a "
         "synchronous step (its phases, and the hand-offs between host and device that the wait column also counts), "
         "the part asynchronous scheduling removes. Each asynchronous block still ends with its last step computed, "
-        "so a block pays one pipeline fill.", "",
+        "so a block pays one pipeline fill. Device idle between steps: the mean time from the end of one step's "
+        "wait to the beginning of the next (recorded by the kernel), with steps back to back (XLA's launch and "
+        "the step's other operations) and in the asynchronous blocks (the same, plus any time the device waited "
+        "for the host).", "",
         *emulated_lines, "", *emulated_findings, ""] if emulated else []
     body = "\n".join([
         f"`python experiments/host_overhead.py --concurrency {args.concurrency} --steps {args.steps} "

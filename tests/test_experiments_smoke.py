@@ -215,7 +215,8 @@ def test_host_overhead_emulated_device_feeds_tokens_and_takes_its_time(async_sch
     """The emulated accelerator's step samples (last token + 1) mod vocab for every request, so
     each request's outputs count up by one from its last prompt-phase token whether the token it
     feeds comes from the host or (asynchronous scheduling) from the previous step on the device;
-    and its step lasts at least the requested time (nanosleep never wakes early)."""
+    and its step lasts at least the requested time (nanosleep never wakes early). The kernel records
+    each of the 6 waits: 5 idle gaps between them, which fit in the wall time beside the waits."""
     import time
 
     import host_overhead
@@ -223,12 +224,16 @@ def test_host_overhead_emulated_device_feeds_tokens_and_takes_its_time(async_sch
     engine = host_overhead.decoding_engine(4, async_scheduling, "final", idle_device_ms=3.0)
     vocab = engine.model_config.vocab_size
     engine.wait_in_flight()
+    host_overhead.device_gaps()  # forget the settling steps' waits
     start = {r.request_id: len(r.output_token_ids) for r in engine.scheduler.running}
     t0 = time.perf_counter()
     for _ in range(6):
         engine.step()
     engine.wait_in_flight()
     elapsed = time.perf_counter() - t0
+    gaps = host_overhead.device_gaps()
+    assert len(gaps) == 5 and (gaps >= 0).all()
+    assert gaps.sum() <= elapsed - 6 * 3e-3
     engine.step()  # applies the step left in flight
     for request in engine.scheduler.running:
         out = request.output_token_ids
