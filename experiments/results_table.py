@@ -197,7 +197,7 @@ def host_overhead(d: dict, n: Numbers) -> str:
             f"step's host work is {n(c['hot_host_ms'], '.2f')} ms" + "".join(
                 f"; on an emulated accelerator with {n(r['idle_device_ms'], 'g')} ms steps that use no host core, "
                 f"{n(r['concurrency'], 'd')} decodes, {r['outputs']} outputs: {n(r['sync_host_ms'], '.2f')} ms of "
-                f"host time, {n(r['hidden'], '.1%')} hidden"
+                f"host time, {n(r['hidden'], '.1%')} hidden ({n(r['hidden_by_device'], '.1%')} by the device's record)"
                 for r in d.get("emulated_rows", ()) if r["concurrency"] == 256))
 
 
