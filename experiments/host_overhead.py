@@ -171,7 +171,8 @@ def record_dispatches(engine) -> list[float]:
 def decoding_engine(n: int, async_scheduling: bool, output_kind: str, idle_device_ms: float | None = None):
     """An engine with `n` requests admitted, prefilled and decoding (its decode bucket compiled).
     With `idle_device_ms` its decode steps run `idle_device_step` (an emulated accelerator whose
-    step takes that long) instead of the model; the prefill ran the model."""
+    step takes that long) instead of the model; the prefill ran the model. Returns with no step
+    computing (an asynchronous engine's last step is computed, not yet applied)."""
     from llmjax.config import PRESETS, EngineConfig
     from llmjax.engine import LLMEngine, freeze_gc_heap
     from llmjax.sampling_params import RequestOutputKind, SamplingParams
@@ -198,6 +199,7 @@ def decoding_engine(n: int, async_scheduling: bool, output_kind: str, idle_devic
                                                   round(1e3 * idle_device_ms))
     for _ in range(8):  # compile and settle the decode-only bucket
         engine.step()
+    engine.wait_in_flight()  # no step computes into the caller's first measurement
     freeze_gc_heap()  # as the server does once warmed up
     return engine
 
