@@ -25,7 +25,7 @@ from llmjax.serve.api import build_app
 from llmjax.serve.metrics import parse_metrics
 from llmjax.serve.server import is_loopback, resolve_api_key, serve_app
 from tests.engine_helpers import tiny_engine
-from tests.server_helpers import running_server
+from tests.server_helpers import assert_no_leak, metrics, running_server, sse_events, wait_idle
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 128
@@ -49,37 +49,6 @@ def base_url(app):
 def client(base_url):
     with httpx.Client(base_url=base_url, timeout=120) as c:
         yield c
-
-
-def metrics(client: httpx.Client) -> dict[str, float]:
-    return parse_metrics(client.get("/metrics").text)
-
-
-def wait_idle(client: httpx.Client, timeout: float = 30.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(client)
-        if m["llmjax:num_requests_running"] == 0 and m["llmjax:num_requests_waiting"] == 0:
-            return m
-        assert time.monotonic() < deadline, f"engine still busy: {m}"
-        time.sleep(0.05)
-
-
-def assert_no_leak(client: httpx.Client) -> None:
-    m = wait_idle(client)
-    assert m["llmjax:kv_cache_usage_perc"] == 0.0
-    for path in ("/health", "/debug/kv_invariants"):
-        r = client.get(path)
-        assert r.status_code == 200, r.text
-
-
-def sse_events(raw: str) -> list[dict]:
-    """Parse an SSE body, checking OpenAI's framing: `data: ...` events, the last `[DONE]`."""
-    assert raw.endswith("data: [DONE]\n\n")
-    events = raw.split("\n\n")[:-1]
-    assert all(e.startswith("data: ") for e in events)
-    assert events[-1] == "data: [DONE]"
-    return [json.loads(e[6:]) for e in events[:-1]]
 
 
 def complete(client: httpx.Client, **body) -> dict:
