@@ -82,6 +82,28 @@ def test_chat_template_matches_transformers(hf, ours):
         assert tokenizer.encode_chat(messages) == list(expected_ids)
 
 
+def test_detokenize_endpoint_inverts_tokenize_special_tokens_included(hf, ours):
+    """`/detokenize` of what `/tokenize` gave for a rendered chat (its template's special tokens
+    in it) is that text again, and equals transformers' decode of the ids, as vLLM's endpoint."""
+    import asyncio
+
+    from llmjax.serve import protocol as p
+    from llmjax.serve.api import OpenAIServer
+
+    _, hf_tok = hf
+    loaded, tokenizer = ours
+    engine = LLMEngine(loaded, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=64,
+                                                       kv_cache_memory_bytes=8 << 20, dtype="float32"))
+    server = OpenAIServer(engine, "smollm2")
+    messages = [{"role": "user", "content": "Say ünïcödé 🙂"}]
+    text = tokenizer.chat_prompt(messages)
+    assert "<|im_start|>" in text
+    tokens = asyncio.run(server.tokenize(p.TokenizeRequest(messages=messages))).tokens
+    assert tokens == tokenizer.encode_chat(messages)
+    detokenized = asyncio.run(server.detokenize(p.DetokenizeRequest(tokens=tokens))).prompt
+    assert detokenized == text == hf_tok.decode(tokens, skip_special_tokens=False)
+
+
 def test_incremental_detokenizer_handles_split_multibyte_characters(ours):
     _, tokenizer = ours
     assert isinstance(tokenizer, Tokenizer)

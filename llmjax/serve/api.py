@@ -345,7 +345,8 @@ class OpenAIServer:
         self._check_model(body.model)
         if any(not 0 <= t < self.vocab_size for t in body.tokens):
             raise RequestError(f"token ids must be in [0, {self.vocab_size})", "tokens")
-        return p.DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
+        # special tokens kept, as vLLM's: the inverse of /tokenize, chat template markers included
+        return p.DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens, skip_special_tokens=False))
 
 
 def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
