@@ -25,6 +25,18 @@ Message = dict[str, Any]
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's, used by SmolLM2, Llama 3, Qwen, ...), character -> byte:
+    a vocabulary entry writes each of its bytes as one printable character, the printable Latin-1
+    bytes as themselves and the other 68 bytes, in byte order, as U+0100 onwards."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = sorted(set(range(256)) - set(printable))
+    return {**{chr(b): b for b in printable}, **{chr(0x100 + i): b for i, b in enumerate(others)}}
+
+
+BYTE_OF_CHAR = _byte_level_alphabet()
+
+
 def render_chat_template(template: str, messages: Sequence[Message], add_generation_prompt: bool, **special: Any) -> str:
     """Render `template` with HF's conventions (`messages`, `add_generation_prompt`, special tokens)."""
 
@@ -55,6 +67,8 @@ class Tokenizer:
         ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
         self.eos_token_ids = frozenset(ids)
         self.chat_template: str | None = hf_tokenizer.chat_template
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self._byte_level = isinstance(getattr(backend, "decoder", None), tokenizers.decoders.ByteLevel)
 
     @property
     def vocab_size(self) -> int:
@@ -68,6 +82,18 @@ class Tokenizer:
 
     def token_to_text(self, token_id: int) -> str:
         return self.hf.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (OpenAI's logprob `bytes`): with a byte-level vocabulary,
+        exactly its own bytes, which may be part of a multi-byte character whose text shows as
+        U+FFFD (the bytes of consecutive tokens concatenate to the UTF-8 of their decoded text);
+        an added token (`<|im_start|>`), or any other vocabulary, gives the UTF-8 of its text."""
+        if self._byte_level and token_id not in self.hf.added_tokens_decoder:
+            try:
+                return bytes(BYTE_OF_CHAR[c] for c in self.hf.convert_ids_to_tokens(token_id))
+            except KeyError:  # not written in the byte alphabet
+                pass
+        return self.token_to_text(token_id).encode()
 
     def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
@@ -107,6 +133,9 @@ class CharTokenizer:
 
     def token_to_text(self, token_id: int) -> str:
         return chr(32 + (token_id - self.OFFSET) % self.NUM_CHARS) if token_id >= self.OFFSET else ""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.token_to_text(token_id).encode()
 
     def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         text = "".join(f"<{m['role']}{':' + m['name'] if 'name' in m else ''}>{m['content']}\n" for m in messages)

@@ -104,6 +104,29 @@ def test_detokenize_endpoint_inverts_tokenize_special_tokens_included(hf, ours):
     assert detokenized == text == hf_tok.decode(tokens, skip_special_tokens=False)
 
 
+def test_token_bytes_concatenate_to_the_decoded_text(hf, ours):
+    """A token's bytes (chat logprobs' `bytes`) are its own: the bytes of a character split over two
+    tokens come apart, and any token sequence's bytes are the UTF-8 of transformers' decode of it."""
+    from llmjax.serve import protocol as p
+
+    _, hf_tok = hf
+    _, tokenizer = ours
+    text = "Say ünïcödé 🙂 and 日本語, <|im_end|>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(map(tokenizer.token_bytes, ids)) == text.encode()
+    emoji = tokenizer.encode("🙂", add_special_tokens=False)
+    assert len(emoji) == 2 and all("\ufffd" in tokenizer.token_to_text(t) for t in emoji)
+    logprobs = p.chat_logprobs(tokenizer.token_to_text, tokenizer.token_bytes, emoji,
+                               [{t: -1.0} for t in emoji], 1).content
+    assert bytes(logprobs[0].bytes + logprobs[1].bytes) == "🙂".encode()
+    assert logprobs[0].top_logprobs[0].bytes == logprobs[0].bytes
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        seq = rng.integers(0, len(hf_tok), rng.integers(1, 9)).tolist()
+        assert b"".join(map(tokenizer.token_bytes, seq)).decode(errors="replace") == \
+            hf_tok.decode(seq, skip_special_tokens=False), seq
+
+
 def test_incremental_detokenizer_handles_split_multibyte_characters(ours):
     _, tokenizer = ours
     assert isinstance(tokenizer, Tokenizer)

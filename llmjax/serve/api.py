@@ -279,8 +279,8 @@ class OpenAIServer:
         """Logprobs of `token_ids`, the last tokens of the output whose entries are `entries`."""
         if params.logprobs is None:
             return None
-        return p.chat_logprobs(self.tokenizer.token_to_text, token_ids, entries[len(entries) - len(token_ids):],
-                               params.logprobs)
+        return p.chat_logprobs(self.tokenizer.token_to_text, self.tokenizer.token_bytes, token_ids,
+                               entries[len(entries) - len(token_ids):], params.logprobs)
 
     async def _chat_chunks(self, stream: OutputStream, params: SamplingParams, body: p.ChatCompletionRequest,
                            request_id: str, created: int):

@@ -445,15 +445,17 @@ def completion_logprobs(token_text, token_ids: list[int], entries: list[dict[int
     return result, text_offset
 
 
-def chat_logprobs(token_text, token_ids: list[int], entries: list[dict[int, float]], k: int) -> ChatLogprobs:
-    """Chat-completions logprobs of `token_ids` with the top `k` alternatives of each."""
+def chat_logprobs(token_text, token_bytes, token_ids: list[int], entries: list[dict[int, float]],
+                  k: int) -> ChatLogprobs:
+    """Chat-completions logprobs of `token_ids` with the top `k` alternatives of each; `token_text(id)`
+    renders a token, `token_bytes(id)` gives its bytes (part of a character's, for a token that
+    splits one)."""
 
     def top_k(entry: dict[int, float]) -> list[tuple[int, float]]:  # the sampled token only if it ranks
         return sorted(entry.items(), key=lambda item: -item[1])[:k]
 
     def top(token: int, logprob: float) -> TopLogprob:
-        text = token_text(token)
-        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+        return TopLogprob(token=token_text(token), logprob=logprob, bytes=list(token_bytes(token)))
 
     content = [
         ChatTokenLogprob(**top(token, entry[token]).model_dump(), top_logprobs=[top(t, lp) for t, lp in top_k(entry)])
