@@ -116,6 +116,10 @@ class LLM:
     def _run(self, prompts: list[str | list[int]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        elif not (isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes))
+                  and all(isinstance(sp, SamplingParams) for sp in sampling_params)):
+            raise TypeError("sampling_params is a SamplingParams or a list of them, one per prompt, got "
+                            f"{sampling_params!r:.80}")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         # one output per request, when it finishes (as vLLM's LLM asks for)

@@ -48,6 +48,11 @@ def test_prompt_forms_and_output_shape(llm):
             llm.generate({"prompt_token_ids": bad}, GREEDY, use_tqdm=False)
     with pytest.raises(TypeError, match="prompt_token_ids"):  # a string is no list of ids (nor text here)
         llm.generate({"prompt_token_ids": "504"}, GREEDY, use_tqdm=False)
+    for bad in ("x", {"temperature": 0}, [GREEDY, {"temperature": 0}], 0.5):
+        with pytest.raises(TypeError, match="a SamplingParams or a list of them"):
+            llm.generate([text, text], bad, use_tqdm=False)
+    with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
+        llm.generate([text, text], [GREEDY], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
 
 
