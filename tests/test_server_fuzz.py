@@ -57,6 +57,8 @@ def valid_body(rng: random.Random, chat: bool) -> dict:
         body["logprobs"] = True
     if body.get("echo") and "logprobs" in body:
         del body["logprobs"]  # refused by design: no prompt logprobs
+    if body.get("min_tokens", 0) > min(body.get(k, 8) for k in ("max_tokens", "max_completion_tokens")):
+        del body["min_tokens"]  # more than it may generate: invalid
     if rng.random() < 0.5:
         body["stream"] = True
         if rng.random() < 0.5:
