@@ -102,7 +102,9 @@ def idle_device_step(max_num_seqs: int, vocab_size: int, micros: int):
     if not native.load(IDLE_DEVICE):
         raise RuntimeError("the idle-device kernel did not build (see the warning above)")
 
-    def step(params, cache, penalties, prev_tokens, inputs, layout, decode_only):
+    def step(params, cache, penalties, prev_tokens, inputs, layout, decode_only, prompt_targets):
+        if prompt_targets is not None:
+            raise ValueError("the emulated device computes no prompt logprobs")
         step_input, _ = unpack(inputs, layout)
         src = step_input.token_source
         fed = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, max_num_seqs - 1)], step_input.token_ids)
@@ -114,7 +116,7 @@ def idle_device_step(max_num_seqs: int, vocab_size: int, micros: int):
         ids = (waited + 1 + (busy[:, 0] < 0).astype(jnp.int32)) % vocab_size  # busy >= 0: a +0 XLA cannot drop
         packed = jnp.concatenate([ids[:, None], jnp.zeros((ids.shape[0], 1 + 2 * MAX_LOGPROBS), jnp.int32)], axis=1)
         padded = jnp.zeros(max_num_seqs, jnp.int32).at[: ids.shape[0]].set(ids[:max_num_seqs])
-        return padded, packed, cache, penalties
+        return padded, packed, cache, penalties, None
 
     return jax.jit(step, static_argnums=(5, 6), donate_argnums=(1, 2))
 
@@ -363,9 +365,9 @@ def cache_effect(n: int, output_kind: str, steps: int, context: int) -> dict:
         t2 = time.thread_time()
         last[1].block_until_ready()
         t3 = time.thread_time()
-        runner.fetch(InFlight(len(out.requests), *last))
+        runner.fetch(InFlight(len(out.requests), *last[:2]))
         t4 = time.thread_time()
-        runner.fetch(InFlight(len(out.requests), *first))  # done long ago; right after a fetch
+        runner.fetch(InFlight(len(out.requests), *first[:2]))  # done long ago; right after a fetch
         t5 = time.thread_time()
         for key, dt in zip(timings, (t1 - t0, (t2 - t1) / 2, t4 - t3, t5 - t4)):
             timings[key].append(dt)

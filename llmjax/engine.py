@@ -43,7 +43,7 @@ from llmjax.kv.sizing import device_memory_stats, kv_budget_bytes, num_blocks_fr
 from llmjax.models.loader import LoadedModel, default_dtype, load_model
 from llmjax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmjax.request import Request, RequestStatus
-from llmjax.runner import InFlight, ModelRunner, StepResult, enable_compilation_cache
+from llmjax.runner import InFlight, ModelRunner, PromptLogprobs, StepResult, enable_compilation_cache
 from llmjax.sampling_params import RequestOutputKind, SamplingParams
 from llmjax.scheduler import Scheduler, SchedulerOutput
 from llmjax.tokenizer import CharTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -157,6 +157,7 @@ class _Parent:
     quiet: bool = False
     plain_stream: bool = False
     finished: bool = False  # its final output is out (it left `LLMEngine._parents`)
+    prompt_logprobs_sent: bool = False  # its prompt logprobs were in an output
 
 
 class LLMEngine:
@@ -259,16 +260,21 @@ class LLMEngine:
                             key=next(self._keys), arrival_time=arrival) for i, child_id in enumerate(child_ids)]
         states = [_SequenceState(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
                   for _ in children]
+        if params.prompt_logprobs is not None:
+            children[0].prompt_logprobs = [None]  # collected by the first sample (the prompt is the same)
         # nothing above changed the engine; from here on nothing raises
-        plain = params.n == 1 and params.logprobs is None and not params.stop
+        plain = params.n == 1 and params.logprobs is None and params.prompt_logprobs is None and not params.stop
         parent = _Parent(request_id, text, ids, params, children, states, RequestMetrics(arrival),
-                         quiet=plain and params.output_kind is not DELTA, plain_stream=plain and params.output_kind is DELTA)
+                         quiet=plain and params.output_kind is not DELTA,
+                         plain_stream=plain and params.output_kind is DELTA)
         for child in children:
             child.owner = parent
         self._parents[request_id] = parent
         # The other samples wait until the first one's prompt is computed, then find its full pages in
-        # the prefix cache: the prompt is computed once.
-        released = children if not self.config.enable_prefix_caching else children[:1]
+        # the prefix cache: the prompt is computed once. With prompt logprobs they wait in any case, so
+        # the request's first output is the first sample's, which carries them.
+        wait = self.config.enable_prefix_caching or params.prompt_logprobs is not None
+        released = children[:1] if wait else children
         parent.held = children[len(released):]
         for child in released:
             self.scheduler.add(child)
@@ -368,6 +374,8 @@ class LLMEngine:
         """Apply a step's results (the scheduler's update, then text, stop strings and outputs); its
         delta outputs. `step()` calls it once the device has returned them."""
         t1 = time.perf_counter()
+        if result.prompt_logprobs is not None:
+            self._collect_prompt_logprobs(out, result.prompt_logprobs)
         indices, appended = self.scheduler.update_from_output(out, result.token_ids)
         t2 = time.perf_counter()
         self.time_update += t2 - t1
@@ -417,6 +425,26 @@ class LLMEngine:
                 outputs.append(self._output(parent, parent.children))
         self.time_output += time.perf_counter() - t2
         return outputs
+
+    @staticmethod
+    def _collect_prompt_logprobs(out: SchedulerOutput, prompt: PromptLogprobs) -> None:
+        """Append the step's prompt logprobs to the requests collecting them: new token j of request i
+        (at position `out.num_computed[i] + j`) gives the entry of the prompt token after it. A request
+        recomputing its prompt after a preemption skips the entries it already has."""
+        offsets = np.cumsum(out.num_new_tokens) - out.num_new_tokens
+        for i, request in enumerate(out.requests):
+            entries = request.prompt_logprobs
+            if entries is None or not request.collecting_prompt_logprobs:
+                continue
+            ids, k = request.prompt_token_ids, request.sampling_params.prompt_logprobs
+            start = int(out.num_computed[i])
+            first, end = len(entries) - 1 - start, min(int(out.num_new_tokens[i]), len(ids) - 1 - start)
+            if first < 0:  # cannot happen: a collecting request never skips prompt tokens
+                continue
+            for row in range(int(offsets[i]) + first, int(offsets[i]) + end):
+                entry = {ids[len(entries)]: float(prompt.logprobs[row])}
+                entry.update(zip(prompt.top_ids[row, :k].tolist(), prompt.top_logprobs[row, :k].tolist()))
+                entries.append(entry)
 
     def _after_token(self, request: Request, parent: _Parent, result, i: int, now: float) -> None:
         """The engine's part of a new token (the scheduler appended it and checked EOS, stop ids and
@@ -579,8 +607,12 @@ class LLMEngine:
             metrics.num_preemptions = sum(c.num_preemptions for c in kids)
             del self._parents[parent.request_id]
             parent.finished = True
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None and not parent.prompt_logprobs_sent and \
+                (finished or not first.collecting_prompt_logprobs):
+            prompt_logprobs, parent.prompt_logprobs_sent = first.prompt_logprobs, True
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
-                             metrics, first.num_cached_tokens)
+                             metrics, first.num_cached_tokens, prompt_logprobs=prompt_logprobs)
 
     # --- introspection -----------------------------------------------------------------------------
     def check_kv_invariants(self) -> None:

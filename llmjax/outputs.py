@@ -61,6 +61,10 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
+    # with `SamplingParams.prompt_logprobs`: per prompt token, None for the first, then {token id: logprob},
+    # the prompt's token first, then the top ones. In one output only: the first once they are all
+    # computed (a DELTA request's first token), or the final one
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Append a later delta of the same request to this (accumulated) output."""
@@ -81,6 +85,8 @@ class RequestOutput:
         self.outputs.sort(key=lambda c: c.index)
         self.finished, self.metrics = delta.finished, delta.metrics
         self.num_cached_tokens, self.error = delta.num_cached_tokens, delta.error
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 def _copy(c: CompletionOutput) -> CompletionOutput:

@@ -42,6 +42,10 @@ class Request:
     computed before it can sample. `num_cached_tokens`: the prompt tokens the prefix cache served when
     it was first admitted (a re-admission after preemption finds its own blocks: no hit).
     `row`: its batch row while running (-1 otherwise).
+    `prompt_logprobs`: None unless this sample collects its prompt's logprobs
+    (`SamplingParams.prompt_logprobs`, the first sample only); then one entry per prompt token
+    computed so far, None for the first token. The engine appends them; until they are complete the
+    scheduler admits the request without prefix-cache hits (`collecting_prompt_logprobs`).
     `namespace` is the prefix-cache tenant (None: the shared default). `seed` may be any 64-bit
     integer (the sampler folds it into the PRNG key as two 32-bit words). `owner`: the engine's
     record of the request it is one sample of (opaque to the scheduler). `key`: its name in the
@@ -62,6 +66,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
@@ -95,6 +100,11 @@ class Request:
         """`all_token_ids[i]` without building the list."""
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    @property
+    def collecting_prompt_logprobs(self) -> bool:
+        """Whether some prompt token still lacks its logprobs entry."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -15,8 +15,10 @@ new token still on the device (the scheduler's `token_source`) is read from the 
 sampled tokens inside the step, so step N+1 can be dispatched before step N's tokens reach the
 host (asynchronous scheduling).
 Shapes are the scheduler's buckets (`llmjax.buckets`); `decode_only` and the logprob count are
-static. A counter in the traced body counts compilations: serving a workload twice compiles
-nothing the second time. A step's results come back in one device-to-host transfer.
+static. A step with prompt logprobs to compute (`SchedulerOutput.prompt_targets`) is a variant of
+its bucket compiled on first use (warm-up leaves it out): it also applies the LM head to every new
+token, `PROMPT_LOGPROB_ROWS` rows at a time, and returns their logprobs. A counter in the traced
+body counts compilations: serving a workload twice compiles nothing the second time. A step's results come back in one device-to-host transfer.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from llmjax.buckets import Shape, StepBuckets
 from llmjax.config import EngineConfig
 from llmjax.models.loader import LoadedModel
 from llmjax.models.transformer import init_cache
-from llmjax.sampler import PenaltyState, sample
+from llmjax.sampler import PenaltyState, prompt_logprobs, sample
 from llmjax.sampling_params import MAX_LOGPROBS
 from llmjax.scheduler import RowInit, SchedulerOutput
 from llmjax.step_input import HostInputs, InputLayout, input_layout, unpack
@@ -56,25 +58,40 @@ def enable_compilation_cache(path: str | None = None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+class PromptLogprobs(NamedTuple):
+    """Per new token of a step (flat, as `SchedulerOutput.token_ids`): the logprob of the prompt token
+    after it (`SchedulerOutput.prompt_targets`; 0 where it has none), the MAX_LOGPROBS most probable
+    ids there and their logprobs."""
+
+    logprobs: np.ndarray  # [N] float32
+    top_ids: np.ndarray  # [N, k] int32
+    top_logprobs: np.ndarray  # [N, k] float32
+
+
 @dataclass
 class StepResult:
-    """Per scheduled request (in `SchedulerOutput.requests` order): sampled token and logprobs."""
+    """Per scheduled request (in `SchedulerOutput.requests` order): sampled token and logprobs; and the
+    prompt logprobs of a step that had prompt targets."""
 
     token_ids: np.ndarray  # [n] int32
     logprobs: np.ndarray  # [n] float32, the sampled token's logprob
     top_ids: np.ndarray  # [n, k]
     top_logprobs: np.ndarray  # [n, k]
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
 class InFlight:
     """A dispatched step: its device outputs, not yet waited for. `tokens` ([max_num_seqs] int32) feeds
     the next step; `packed` ([S, 2 + 2 * MAX_LOGPROBS] int32: token, logprob bits, top ids, top logprob
-    bits) is what `fetch` brings to the host."""
+    bits) is what `fetch` brings to the host; `prompt` ([T, 1 + 2 * MAX_LOGPROBS] int32: logprob bits, top
+    ids, top logprob bits) the prompt logprobs of a step with prompt targets, for its `num_tokens` tokens."""
 
     num_requests: int
     tokens: jax.Array
     packed: jax.Array
+    num_tokens: int = 0
+    prompt: jax.Array | None = None
 
 
 _STEP_FUNCTIONS: dict[tuple, tuple] = {}
@@ -106,7 +123,7 @@ def _make_step_function(graphdef, param_tree, backend, block_size: int, layout: 
         backend = parallel.sharded_attention(backend, layout.mesh)
 
     def step(params, cache, penalties: PenaltyState, prev_tokens, inputs, layout: InputLayout,
-             decode_only: bool):
+             decode_only: bool, prompt_targets):
         traces[0] += 1  # runs only while tracing
         step_input, sampling = unpack(inputs, layout)  # written on the host (`HostInputs`)
         params = jax.tree.unflatten(param_tree, params)
@@ -114,20 +131,25 @@ def _make_step_function(graphdef, param_tree, backend, block_size: int, layout: 
         tokens = jnp.where(src >= 0, prev_tokens[jnp.clip(src, 0, max_num_seqs - 1)], step_input.token_ids)
         step_input = step_input.replace(token_ids=tokens)
         model = nnx.merge(graphdef, params)
-        logits, cache = model.forward_paged(cache, step_input, backend, block_size, decode_only)
-        (ids, lp, top_ids, top_lp), penalties = sample(logits, sampling, penalties)
+        hidden, cache = model.forward_paged(cache, step_input, backend, block_size, decode_only)
+        (ids, lp, top_ids, top_lp), penalties = sample(model.logits(hidden[step_input.logits_indices]), sampling,
+                                                       penalties)
         bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)  # noqa: E731
         packed = jnp.concatenate([ids[:, None], bits(lp)[:, None], top_ids, bits(top_lp)], axis=1)
         padded = jnp.zeros(max_num_seqs, jnp.int32).at[: ids.shape[0]].set(ids[:max_num_seqs])
-        return padded, packed, cache, penalties
+        prompt = None
+        if prompt_targets is not None:  # a variant of its own: traced per None-ness of the argument
+            p_lp, p_ids, p_top = prompt_logprobs(model.logits, hidden, prompt_targets)
+            prompt = jnp.concatenate([bits(p_lp)[:, None], p_ids, bits(p_top)], axis=1)
+        return padded, packed, cache, penalties, prompt
 
     shardings = {}
     if layout is not None:  # the penalty tables, tokens and batch metadata are replicated
         (params, cache, *_), (out, out_cache) = (layout.jit_shardings()[k] for k in ("in_shardings",
                                                                                       "out_shardings"))
         rep = layout.replicated
-        shardings = dict(in_shardings=(tuple(jax.tree.leaves(params)), cache, rep, rep, rep),
-                         out_shardings=(rep, out, out_cache, rep))
+        shardings = dict(in_shardings=(tuple(jax.tree.leaves(params)), cache, rep, rep, rep, rep),
+                         out_shardings=(rep, out, out_cache, rep, rep))
     # static arguments by position: jit accepts no keyword arguments alongside in_shardings
     jitted = jax.jit(step, static_argnums=(5, 6), donate_argnums=(1, 2), **shardings)
     return jitted, traces
@@ -245,28 +267,37 @@ class ModelRunner:
     def _replicated(self, x):
         return jax.device_put(x, None if self.layout is None else self.layout.replicated)
 
-    def run(self, inputs: HostInputs, decode_only: bool, prev_tokens: jax.Array | None = None):
+    def run(self, inputs: HostInputs, decode_only: bool, prev_tokens: jax.Array | None = None,
+            prompt_targets: np.ndarray | None = None):
         """Run the jitted step on `inputs` and the runner's cache and tables (which it replaces);
-        counts compilations. Returns (tokens [max_num_seqs] on the device, packed results
-        [S, 2 + 2 * MAX_LOGPROBS] on the device)."""
+        counts compilations. `prompt_targets`: `[T]` int32 (see `SchedulerOutput.prompt_targets`,
+        padded with -1) or None. Returns (tokens [max_num_seqs] on the device, packed results
+        [S, 2 + 2 * MAX_LOGPROBS] on the device, packed prompt logprobs [T, 1 + 2 * MAX_LOGPROBS] or None)."""
         traces_before = self._traces[0]
         t0 = time.perf_counter()
         prev = self._no_tokens if prev_tokens is None else prev_tokens
-        tokens, packed, self.cache, self.penalties = self._step_fn(
-            self._param_leaves, self.cache, self.penalties, prev, inputs.buffer, inputs.layout, decode_only)
+        tokens, packed, self.cache, self.penalties, prompt = self._step_fn(
+            self._param_leaves, self.cache, self.penalties, prev, inputs.buffer, inputs.layout, decode_only,
+            prompt_targets)
         compiled = self._traces[0] - traces_before
         if compiled:
             self.num_compiles += compiled
             if not self._warming_up:
-                self._note_serving_compile(inputs.layout, decode_only, time.perf_counter() - t0)
-        return tokens, packed
+                self._note_serving_compile(inputs.layout, decode_only, prompt_targets is not None,
+                                           time.perf_counter() - t0)
+        return tokens, packed, prompt
 
-    def _note_serving_compile(self, layout: InputLayout, decode_only: bool, seconds: float) -> None:
+    def _note_serving_compile(self, layout: InputLayout, decode_only: bool, prompt: bool, seconds: float) -> None:
         """Count and log a step function compiled on first use (outside warm-up): every request of
         that step, and with it the whole engine, waited for the compiler. A warning once warm-up has
-        run (it missed this bucket), debug before (an engine without warm-up compiles as it goes)."""
+        run (it missed this bucket), debug before (an engine without warm-up compiles as it goes);
+        the prompt-logprobs variants, which warm-up leaves out, are logged at info."""
         self.num_serving_compiles += 1
         self.serving_compile_seconds += seconds
+        if prompt:
+            log.info("compiled the prompt-logprobs step of bucket T=%d S=%d B=%d on first use: %.2f s",
+                     *layout.bucket, seconds)
+            return
         level = logging.WARNING if self._warmed_up else logging.DEBUG
         log.log(level, "compiled the step of bucket T=%d S=%d B=%d (%s) on first use: %.2f s, which the step waited "
                 "for. Warm-up compiles the common buckets; with a persistent compilation cache "
@@ -396,20 +427,28 @@ class ModelRunner:
         t0 = time.perf_counter()
         inputs, decode_only = self.prepare(out)
         t1 = time.perf_counter()
-        tokens, packed = self.run(inputs, decode_only, None if previous is None else previous.tokens)
+        targets = None
+        if out.prompt_targets is not None:
+            targets = np.full(out.bucket[0], -1, np.int32)
+            targets[: out.num_tokens] = out.prompt_targets
+        tokens, packed, prompt = self.run(inputs, decode_only, None if previous is None else previous.tokens, targets)
         t2 = time.perf_counter()
         self.time_prepare += t1 - t0
         self.time_dispatch += t2 - t1
-        return InFlight(len(out.requests), tokens, packed)
+        return InFlight(len(out.requests), tokens, packed, out.num_tokens, prompt)
 
     def fetch(self, inflight: InFlight) -> StepResult:
         """Wait for a dispatched step and bring its results to the host (one transfer)."""
         t0 = time.perf_counter()
         packed = np.asarray(inflight.packed)[: inflight.num_requests]
+        prompt = None if inflight.prompt is None else np.asarray(inflight.prompt)[: inflight.num_tokens]
         self.time_device += time.perf_counter() - t0
         k = MAX_LOGPROBS
+        if prompt is not None:
+            prompt = PromptLogprobs(prompt[:, 0].view(np.float32), prompt[:, 1 : 1 + k],
+                                    prompt[:, 1 + k :].view(np.float32))
         return StepResult(packed[:, 0], packed[:, 1].view(np.float32), packed[:, 2 : 2 + k],
-                          packed[:, 2 + k :].view(np.float32))
+                          packed[:, 2 + k :].view(np.float32), prompt)
 
     def warmup(self, shapes: list[Shape]) -> None:
         """Compile the step for each (T, S, B, decode_only) bucket ahead of serving, with a progress bar.
@@ -433,4 +472,4 @@ class ModelRunner:
         """The step of bucket (T, S, B) lowered for inspection (`.compile().as_text()` is its HLO); runs nothing."""
         inputs = self.padding_inputs(t, s, b)
         return self._step_fn.lower(self._param_leaves, self.cache, self.penalties, self._no_tokens, inputs.buffer,
-                                   inputs.layout, decode_only)
+                                   inputs.layout, decode_only, None)

@@ -260,3 +260,28 @@ def sample(logits: jax.Array, s: SamplingInput, state: PenaltyState):
     top_lp, top_ids = jax.lax.cond(jnp.any(s.want_top), lambda: top_logprobs(logits),
                                    lambda: top_logprobs(logits, none=True))
     return (tokens, token_logprobs, top_ids, top_lp), count_tokens(state, tokens, s)
+
+
+PROMPT_LOGPROB_ROWS = 64  # rows of `prompt_logprobs` whose logits exist at once ([64, V] float32)
+
+
+def prompt_logprobs(logits_of, hidden: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Prompt logprobs of a step's tokens: row t of `hidden` `[T, D]` (a final hidden state, to which
+    `logits_of` applies the LM head) predicts `targets[t]` (the next prompt token; -1: none wanted).
+    Returns (the target's logprob `[T]` (0 where none), top ids `[T, MAX_LOGPROBS]`, their logprobs
+    `[T, MAX_LOGPROBS]`), of the raw distribution. The logits are made `PROMPT_LOGPROB_ROWS` rows at a
+    time, so a long chunk never holds `[T, V]` of them."""
+
+    def rows(block):
+        h, target = block
+        logits = logits_of(h)
+        chosen = jnp.take_along_axis(logits, jnp.maximum(target, 0)[:, None], axis=-1)[:, 0]
+        lp = jnp.where(target >= 0, chosen - jax.nn.logsumexp(logits, axis=-1), 0.0)
+        top_lp, top_ids = top_logprobs(logits)
+        return lp, top_ids, top_lp
+
+    t, b = hidden.shape[0], min(PROMPT_LOGPROB_ROWS, hidden.shape[0])
+    pad = -t % b
+    hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, b, hidden.shape[1])
+    targets = jnp.pad(targets, (0, pad), constant_values=-1).reshape(-1, b)
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:t], jax.lax.map(rows, (hidden, targets)))

@@ -61,6 +61,9 @@ class SamplingParams:
     `stop` strings end generation and are cut from the text (unless `include_stop_str_in_output`),
     as is the text of an EOS or `stop_token_ids` token that ends it (its id stays in the token ids).
     `logprobs`: None for none, 0 for the sampled token's logprob, k for it plus the top k.
+    `prompt_logprobs` (vLLM's): the same for each prompt token after the first, from the model's
+    raw distribution (no temperature, penalties or bias) at the token before it; the request then
+    computes its whole prompt (no prefix-cache hit) until every prompt token has its entry.
     `max_tokens` None means "up to max_model_len". Until `min_tokens` tokens are generated, EOS
     and `stop_token_ids` cannot be sampled and no stop condition applies.
     Penalties (vLLM's): `presence_penalty` and `frequency_penalty` subtract from the logit of each
@@ -82,6 +85,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0
@@ -120,6 +124,8 @@ class SamplingParams:
                     f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             self._int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self._int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         self._check("stop", all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         self._check("stop_token_ids", all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids),
                     "stop_token_ids must be non-negative integers")
@@ -134,7 +140,7 @@ class SamplingParams:
         self._check("output_kind", isinstance(self.output_kind, RequestOutputKind),
                     f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         # numbers as Python's own types from here on (a NumPy scalar would overflow or wrap in arithmetic)
-        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs"):
+        for name in ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):

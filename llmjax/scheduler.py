@@ -88,6 +88,9 @@ class SchedulerOutput:
     stop_ids: np.ndarray = field(default_factory=_empty)  # bool: it has stop_token_ids
     token_ids: np.ndarray = field(default_factory=_empty)  # [num_tokens] the new tokens, flat; 0 where the token is still on the device
     token_source: np.ndarray = field(default_factory=_empty)  # [num_tokens] index in the previous step's sampled tokens, or -1
+    # [num_tokens] the prompt token after each new token, whose logprob the step computes for a request
+    # collecting prompt logprobs (-1 elsewhere); None when no request of the step collects them
+    prompt_targets: np.ndarray | None = None
     block_tables: np.ndarray | None = None  # [n, B] padded with the null block (None in the simulator)
     bucket: tuple[int, int, int] = (0, 0, 0)  # (T, S, B), see `llmjax.buckets`
     num_decodes: int = 0
@@ -317,13 +320,15 @@ class Scheduler:
             if (batched and request.key not in self.batch) or request.num_pending:
                 skipped.append(request)  # not in the batch, or preempted with a token still on the device
                 continue
-            if not self.config.enable_chunked_prefill and \
-                    budget < request.num_tokens - self.kv.peek_prefix_len(request.all_token_ids, request.namespace):
+            # one collecting prompt logprobs computes every prompt token: no prefix hit, no cache query
+            use_cache = not request.collecting_prompt_logprobs
+            if not self.config.enable_chunked_prefill and budget < request.num_tokens - (
+                    self.kv.peek_prefix_len(request.all_token_ids, request.namespace) if use_cache else 0):
                 self.waiting.appendleft(request)  # the whole prompt must fit one step
                 break
             # A request re-admitted after preemption finds its own blocks cached: not a prefix hit.
             result = self.kv.allocate(request.key, request.all_token_ids, budget, request.namespace,
-                                      count_query=request.num_preemptions == 0)
+                                      count_query=request.num_preemptions == 0 and use_cache, match_prefix=use_cache)
             if result is None:
                 self.waiting.appendleft(request)
                 break
@@ -417,7 +422,27 @@ class Scheduler:
             tokens[d:] = np.concatenate([r.token_slice(s, s + k) for r, s, k in
                                          zip(requests[d:], start[d:].tolist(), out.num_new_tokens[d:].tolist())])
         out.token_ids, out.token_source = tokens, source
+        out.prompt_targets = self._prompt_targets(out, [*np.flatnonzero(~out.samples[:d]).tolist(),
+                                                        *range(d, len(requests))])
         self._step_tables(out)
+
+    @staticmethod
+    def _prompt_targets(out: SchedulerOutput, chunks: list[int]) -> np.ndarray | None:
+        """`out.prompt_targets` from the step's requests at indices `chunks` (those that compute prompt
+        tokens: a decode that samples is past its prompt), before their progress advances."""
+        targets = None
+        for i in chunks:
+            request = out.requests[i]
+            if not request.collecting_prompt_logprobs:
+                continue
+            if targets is None:
+                targets = np.full(out.num_tokens, -1, np.int32)
+                offsets = np.cumsum(out.num_new_tokens) - out.num_new_tokens
+            prompt, start = request.prompt_token_ids, int(out.num_computed[i])
+            end = min(start + int(out.num_new_tokens[i]), len(prompt) - 1)  # the last prompt token predicts none
+            if end > start:
+                targets[offsets[i] : offsets[i] + end - start] = prompt[start + 1 : end + 1]
+        return targets
 
     def _step_tables(self, out: SchedulerOutput) -> None:
         """The block tables, padded to the bucket's B. Rows whose table grew or changed are rewritten

@@ -137,11 +137,12 @@ def test_one_transfer_per_step_brings_tokens_and_logprobs(monkeypatch, async_sch
     reads, fetches = [], []
     run, fetch = runner.run, runner.fetch
 
-    def counted_run(inputs, decode_only, prev_tokens=None):
+    def counted_run(inputs, decode_only, prev_tokens=None, prompt_targets=None):
         if isinstance(prev_tokens, CountedReads):
             prev_tokens = prev_tokens.array  # the next step reads them on the device
-        tokens, packed = run(inputs, decode_only, prev_tokens)
-        return CountedReads(tokens, reads), CountedReads(packed, reads)
+        tokens, packed, prompt = run(inputs, decode_only, prev_tokens, prompt_targets)
+        assert prompt is None  # no request asks for prompt logprobs
+        return CountedReads(tokens, reads), CountedReads(packed, reads), prompt
 
     def counted_fetch(inflight):
         fetches.append(inflight.num_requests)

@@ -24,6 +24,8 @@ FCFS and LPM queue order, stream intervals 1 to 3. Checked:
   and `abort` answers None exactly for the requests already finished;
 - a request's cached prompt tokens come only from requests of its namespace (this one included),
   never its whole prompt;
+- a request with `prompt_logprobs` gets them in exactly one output, the dense model's, one per
+  prompt token (fewer only if aborted), with no prefix-cache hit;
 - at the end, no request holds a block, a batch row or an entry in any per-request table, and once
   the prefix cache is reset every block is free.
 """
@@ -106,6 +108,8 @@ def random_params(rng: np.random.Generator, prompt_len: int) -> SamplingParams:
     if rng.random() < 0.3:
         kw.update(presence_penalty=float(rng.choice([0.0, 0.5, 1.5])), frequency_penalty=float(rng.choice([0.0, 0.3])),
                   repetition_penalty=float(rng.choice([1.0, 1.3])))
+    if rng.random() < 0.2:
+        kw["prompt_logprobs"] = int(rng.choice([0, 3]))
     return SamplingParams(**kw)
 
 
@@ -169,6 +173,19 @@ def processed_logits(engine, prompt: list[int], params: SamplingParams, tokens: 
         rows[i] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
         counts[token] += 1
     return rows
+
+
+def check_prompt_logprobs(engine, prompt: list[int], k: int, entries, whole: bool) -> None:
+    """Prompt logprobs are the dense model's: one entry per prompt token (fewer only if aborted), None
+    first, then the token's own logprob first and the top k."""
+    assert entries[0] is None and (len(entries) == len(prompt) if whole else 1 <= len(entries) <= len(prompt))
+    ref = np.asarray(jax.nn.log_softmax(dense_logits(engine, prompt), axis=-1))
+    for t in range(1, len(entries)):
+        entry, row = entries[t], ref[t - 1]
+        ids = list(entry)
+        assert ids[0] == prompt[t] and max(k, 1) <= len(ids) <= k + 1
+        np.testing.assert_allclose([entry[i] for i in ids], row[ids], atol=2e-5)
+        np.testing.assert_allclose(sorted(entry.values(), reverse=True)[:k], np.sort(row)[::-1][:k], atol=2e-5)
 
 
 def check_greedy(engine, prompt: list[int], params: SamplingParams, tokens: list[int], where: str) -> None:
@@ -259,6 +276,7 @@ class Record:
         self.deltas = {s.key: OutputAccumulator() for s in specs}
         self.final_only: dict[str, RequestOutput] = {}
         self.num_finished = dict.fromkeys(self.specs, 0)
+        self.with_prompt_logprobs = dict.fromkeys(self.specs, 0)  # outputs carrying prompt logprobs
         self.aborted: set[str] = set()
 
     def add(self, out: RequestOutput) -> None:
@@ -273,6 +291,7 @@ class Record:
         else:
             self.deltas[key].add(out)
         self.num_finished[key] += out.finished
+        self.with_prompt_logprobs[key] += out.prompt_logprobs is not None
 
     def whole(self, key: str) -> RequestOutput:
         return self.final_only[key] if key in self.final_only else self.deltas[key].outputs[self.specs[key].request_id]
@@ -367,6 +386,12 @@ def test_random_interleavings_match_the_references(seed, async_scheduling, prefi
         assert out.request_id == spec.request_id
         assert record.num_finished[rid] == 1, f"{rid}: {record.num_finished[rid]} finished outputs"
         assert out.finished and out.prompt_token_ids == spec.prompt
+        if params.prompt_logprobs is None:
+            assert out.prompt_logprobs is None and record.with_prompt_logprobs[rid] == 0
+        else:
+            assert record.with_prompt_logprobs[rid] == 1 and out.num_cached_tokens == 0, rid
+            check_prompt_logprobs(engine, spec.prompt, params.prompt_logprobs, out.prompt_logprobs,
+                                  whole=rid not in record.aborted)
         assert out.metrics.num_generation_tokens == sum(len(c.token_ids) for c in out.outputs)
         indices = [c.index for c in out.outputs]
         assert indices == list(range(params.n)), f"{rid}: samples {indices}"

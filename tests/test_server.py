@@ -16,6 +16,8 @@ import threading
 import time
 
 import httpx
+import jax
+import numpy as np
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,7 +26,7 @@ from llmjax.config import ConfigError
 from llmjax.serve.api import build_app
 from llmjax.serve.metrics import parse_metrics
 from llmjax.serve.server import is_loopback, resolve_api_key, serve_app
-from tests.engine_helpers import tiny_engine
+from tests.engine_helpers import dense_logits, tiny_engine
 from tests.server_helpers import assert_no_leak, metrics, running_server, sse_events, wait_idle
 
 MODEL = "tiny"
@@ -155,6 +157,57 @@ def test_logprobs(client):
     assert len(chat) == 8 and all(len(t["top_logprobs"]) == 3 and t["top_logprobs"][0]["token"] == t["token"]
                                   for t in chat)
 
+
+
+def assert_same_logprobs(token_logprobs: list, top_logprobs: list, expected: dict) -> None:
+    """Completion logprobs equal to `expected`'s up to float rounding (same top tokens)."""
+    np.testing.assert_allclose(token_logprobs, expected["token_logprobs"], atol=1e-5)
+    assert [list(t) for t in top_logprobs] == [list(t) for t in expected["top_logprobs"]]
+    np.testing.assert_allclose([v for t in top_logprobs for v in t.values()],
+                               [v for t in expected["top_logprobs"] for v in t.values()], atol=1e-5)
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, app):
+    """`echo` with `logprobs` (lm-evaluation-harness's loglikelihood request): the prompt's tokens come
+    first with their logprobs (null for the first), the dense model's; then the completion's, as
+    without echo; offsets run over the prompt's text and on. `max_tokens` 0 echoes the prompt alone.
+    Streamed, the same."""
+    engine = app.state.server.async_engine.engine
+    prompt = "the cat sat on"
+    ids = client.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    lp = complete(client, prompt=prompt, echo=True, logprobs=2, **GREEDY)["choices"][0]["logprobs"]
+    plain = complete(client, prompt=prompt, logprobs=2, **GREEDY)["choices"][0]["logprobs"]
+    p = len(ids)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    ref = np.asarray(jax.nn.log_softmax(dense_logits(engine, ids), axis=-1))
+    np.testing.assert_allclose(lp["token_logprobs"][1:p], [ref[t - 1, ids[t]] for t in range(1, p)], atol=2e-5)
+    for t in range(1, p):
+        top = lp["top_logprobs"][t]
+        assert len(top) in (2, 3) and top[lp["tokens"][t]] == lp["token_logprobs"][t]
+        np.testing.assert_allclose(sorted(top.values(), reverse=True)[:2], np.sort(ref[t - 1])[::-1][:2], atol=2e-5)
+    assert "".join(lp["tokens"][:p]) == prompt and lp["tokens"][p:] == plain["tokens"]
+    assert_same_logprobs(lp["token_logprobs"][p:], lp["top_logprobs"][p:], plain)  # batch shapes round apart
+    tokens = lp["tokens"]  # the tokenizer's BOS renders as ""
+    assert lp["text_offset"] == [len("".join(tokens[:i])) for i in range(p + GREEDY["max_tokens"])]
+    events = stream(client, "/v1/completions", prompt=prompt, echo=True, logprobs=2, **GREEDY)
+    streamed = {key: [x for e in events if e["choices"] for x in e["choices"][0]["logprobs"][key]]
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert streamed["tokens"] == lp["tokens"] and streamed["text_offset"] == lp["text_offset"]
+    assert_same_logprobs(streamed["token_logprobs"][1:], streamed["top_logprobs"][1:],
+                         {k: lp[k][1:] for k in ("token_logprobs", "top_logprobs")})
+
+    only = complete(client, prompt=prompt, echo=True, logprobs=1, max_tokens=0)["choices"][0]
+    assert only["text"] == prompt and only["finish_reason"] == "length"
+    assert only["logprobs"]["tokens"] == lp["tokens"][:p]
+    np.testing.assert_allclose(only["logprobs"]["token_logprobs"][1:], lp["token_logprobs"][1:p], atol=1e-5)
+    events = stream(client, "/v1/completions", prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    chunks = [c for e in events for c in e["choices"]]
+    assert "".join(c["text"] for c in chunks) == prompt and chunks[-1]["finish_reason"] == "length"
+    streamed_only = [x for c in chunks for x in c["logprobs"]["token_logprobs"]]
+    assert streamed_only[0] is None and len(streamed_only) == p
+    np.testing.assert_allclose(streamed_only[1:], only["logprobs"]["token_logprobs"][1:], atol=1e-5)
+    assert complete(client, prompt=prompt, echo=True, max_tokens=0)["choices"][0]["text"] == prompt
+    assert_no_leak(client)
 
 # --- errors --------------------------------------------------------------------------------------------------
 COMPLETION_ERRORS = [

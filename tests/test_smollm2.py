@@ -190,6 +190,31 @@ def test_engine_greedy_equals_hf_generate(hf, ours):
     assert "Paris" in answer
 
 
+
+def test_prompt_logprobs_match_transformers(hf, ours):
+    """Prompt logprobs (the server's `echo` with `logprobs`) against transformers' log-softmax of its
+    logits at every prompt position, over prefill chunks of 32 tokens: each prompt token's logprob,
+    and the top 5 (ids equal but for near-ties)."""
+    hf_model, hf_tok = hf
+    loaded, tokenizer = ours
+    engine = LLMEngine(loaded, tokenizer, EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, max_model_len=256,
+                                                       kv_cache_memory_bytes=64 << 20))
+    prompts = [hf_tok(p).input_ids for p in (PROMPTS[7] + " " + PROMPTS[4], PROMPTS[3] * 6)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=5)
+    outs = drain(engine, [engine.add_request(p, params) for p in prompts])
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            expected = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], dim=-1).numpy()
+        entries = out.prompt_logprobs
+        assert len(entries) == len(ids) > 32 and entries[0] is None
+        for t in range(1, len(ids)):
+            row, entry = expected[t - 1], entries[t]
+            assert next(iter(entry)) == ids[t]
+            np.testing.assert_allclose([entry[i] for i in entry], row[list(entry)], atol=2e-3, rtol=0)
+            top = sorted(entry, key=entry.get, reverse=True)[:5]
+            fifth = np.sort(row)[-5]
+            assert set(top) == set(np.argsort(-row)[:5].tolist()) or abs(row[top[-1]] - fifth) < 2e-3
+
 NEAR_TIE = 0.5  # float32 logit gap below which two tokens count as tied under bfloat16 rounding
 
 

@@ -53,6 +53,7 @@ def test_greedy_outputs_equal_one_device(runs, preset):
         assert r["tokens"] == by_tp[1]["tokens"], f"TP {tp} differs from TP 1"
         assert r["second_run_equal"] and r["second_run_compiles"] == 0, f"TP {tp} recompiled on a rerun"
         assert r["cache_donated"], f"TP {tp}: the cache was copied, not donated"
+        assert r["prompt_logprob_error"] < 2e-5, f"TP {tp}: prompt logprobs off by {r['prompt_logprob_error']}"
 
 
 @pytest.mark.parametrize("preset", sorted(SIZES))

@@ -16,11 +16,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import dataclasses  # noqa: E402
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from tests.engine_helpers import GREEDY, assert_greedy_matches, dense_greedy, run_to_completion, tiny_engine  # noqa: E402
+from tests.engine_helpers import (GREEDY, assert_greedy_matches, dense_greedy, dense_logits,  # noqa: E402
+                                  run_to_completion, tiny_engine)
 
 RNG = np.random.default_rng(7)
 SHARED = RNG.integers(3, 250, size=16).tolist()
@@ -44,7 +47,17 @@ def spec(array: jax.Array) -> str:
     return str(getattr(array.sharding, "spec", "one device"))
 
 
-def check(preset: str, tp: int, reference) -> dict:
+def prompt_logprob_error(engine, reference: np.ndarray) -> float:
+    """Largest difference of the prompt logprobs of `PROMPTS[2]` (over several chunks) from the
+    one-device dense `reference` log-softmax."""
+    prompt = PROMPTS[2]
+    [out] = run_to_completion(engine, [prompt], dataclasses.replace(GREEDY, prompt_logprobs=2))
+    entries = out.prompt_logprobs
+    assert len(entries) == len(prompt), len(entries)
+    return max(abs(lp - reference[t - 1, i]) for t in range(1, len(prompt)) for i, lp in entries[t].items())
+
+
+def check(preset: str, tp: int, reference, prompt_reference) -> dict:
     engine = tiny_engine(preset, tensor_parallel_size=tp)
     runner = engine.runner
     first = run_to_completion(engine, PROMPTS)
@@ -52,25 +65,30 @@ def check(preset: str, tp: int, reference) -> dict:
     donated = runner.cache[0]
     assert engine.kv.reset_prefix_cache()  # so the rerun has the same shapes
     second = run_to_completion(engine, PROMPTS)
+    recompiles = runner.num_compiles - compiles
+    error = prompt_logprob_error(engine, prompt_reference)  # compiles the prompt variants
     hlo = runner.lower(64, 4, 8).compile().as_text()
     return dict(
         devices=jax.device_count(),
         tokens=[o.outputs[0].token_ids for o in first],
         mismatch=mismatch(first, reference),
         second_run_equal=[o.outputs[0].token_ids for o in second] == [o.outputs[0].token_ids for o in first],
-        second_run_compiles=runner.num_compiles - compiles,
+        second_run_compiles=recompiles,
         cache_donated=donated.is_deleted(),
         params={"/".join(path): spec(v.get_value()) for path, v in nnx.to_flat_state(runner.params)},
         cache=[spec(c) for c in runner.cache],
         cache_shard_shape=list(runner.cache[0].addressable_shards[0].data.shape),
         collectives={c: len(re.findall(rf"\b{c}(-start)?\(", hlo)) for c in COLLECTIVES},
+        prompt_logprob_error=float(error),
     )
 
 
 def main() -> None:
     preset, sizes = sys.argv[1], [int(n) for n in sys.argv[2:]]
-    reference = [dense_greedy(tiny_engine(preset), p, GREEDY.max_tokens) for p in PROMPTS]
-    print(json.dumps({tp: check(preset, tp, reference) for tp in sizes}))
+    one = tiny_engine(preset)
+    reference = [dense_greedy(one, p, GREEDY.max_tokens) for p in PROMPTS]
+    prompt_reference = np.asarray(jax.nn.log_softmax(dense_logits(one, PROMPTS[2]), axis=-1))
+    print(json.dumps({tp: check(preset, tp, reference, prompt_reference) for tp in sizes}))
 
 
 if __name__ == "__main__":

@@ -184,12 +184,13 @@ class ContiguousKVCache:
         return self.buddy.size
 
     def allocate(self, req_id: Hashable, token_ids: Sequence[int], max_new_tokens: int,
-                 namespace: Hashable = None, count_query: bool = True) -> tuple[int, int] | None:
+                 namespace: Hashable = None, count_query: bool = True,
+                 match_prefix: bool = True) -> tuple[int, int] | None:
         """Reserve the request's whole run; returns (0, min(max_new_tokens, len(token_ids))) or None
-        when no buddy block is large enough now. `count_query` is accepted for the scheduler's
-        interface and ignored (no prefix cache). ValueError: a known request, no tokens,
-        max_new_tokens < 1, a reservation larger than max_model_len or the pool, or token_ids longer
-        than the request's final length."""
+        when no buddy block is large enough now. `count_query` and `match_prefix` are the
+        scheduler's interface; with no prefix cache nothing is counted and nothing ever matches.
+        ValueError: a known request, no tokens, max_new_tokens < 1, a reservation larger than
+        max_model_len or the pool, or token_ids longer than the request's final length."""
         if req_id in self._spans:
             raise ValueError(f"request {req_id!r} already holds a reservation")
         if not token_ids or max_new_tokens < 1:

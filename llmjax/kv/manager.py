@@ -87,7 +87,7 @@ class KVCacheManager:
 
     def allocate(
         self, req_id: Hashable, token_ids: Sequence[int], max_new_tokens: int, namespace: Hashable = None,
-        count_query: bool = True,
+        count_query: bool = True, match_prefix: bool = True,
     ) -> tuple[int, int] | None:
         """Admit a request that holds no blocks.
 
@@ -97,8 +97,10 @@ class KVCacheManager:
         evicting unlocked cached blocks as needed. Returns (num_cached, num_new), or None when
         the pool cannot hold that now (nothing changed, no stats counted). On success the query
         and its hit tokens are counted in `stats()` unless `count_query` is False (the
-        scheduler's re-admission of a preempted request). ValueError for a known req_id, empty
-        token_ids, max_new_tokens < 1, or a request needing more blocks than the pool has in all.
+        scheduler's re-admission of a preempted request). `match_prefix` False: no cached prefix is
+        used (a request that must compute its whole prompt; its pages are still cached later).
+        ValueError for a known req_id, empty token_ids, max_new_tokens < 1, or a request needing
+        more blocks than the pool has in all.
         """
         if req_id in self._seqs:
             raise ValueError(f"request {req_id!r} already holds blocks")
@@ -106,7 +108,7 @@ class KVCacheManager:
         if not token_ids or max_new_tokens < 1:
             raise ValueError(f"need token_ids and max_new_tokens >= 1, got {len(token_ids)} tokens, {max_new_tokens}")
         cache, pool = self.prefix_cache, self.block_pool
-        match = cache.match(token_ids, namespace) if cache else _NO_MATCH
+        match = cache.match(token_ids, namespace) if cache and match_prefix else _NO_MATCH
         num_cached = match.num_tokens
         num_new = min(max_new_tokens, len(token_ids) - num_cached)
         num_tokens = num_cached + num_new

@@ -9,8 +9,8 @@ kernels for the AMX matmul (`llmjax.ops.amx_matmul`) at load time. Two entry poi
 every layer:
 
 - `__call__(tokens [B, T])` -> logits `[B, T, V]`: dense causal forward (tests, training).
-- `forward_paged(cache, step, backend)` -> (logits `[S, V]` at `step.logits_indices`, cache):
-  the engine's forward over a mixed batch and the paged KV cache.
+- `forward_paged(cache, step, backend)` -> (final hidden states `[T, D]`, cache): the engine's
+  forward over a mixed batch and the paged KV cache; `logits(hidden)` is the LM head.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ class Transformer(nnx.Module):
         return self.logits(hidden)
 
     def forward_paged(self, cache: Cache, step: StepInput, backend, block_size: int, decode_only: bool = False):
-        """One engine step: writes the new tokens' KV into `cache`, returns (logits `[S, V]`, cache)."""
+        """One engine step: writes the new tokens' KV into `cache`, returns (the final normed hidden
+        state of every new token `[T, D]`, cache). The caller applies `logits` to the rows it needs."""
         plan = backend.plan(step, self.config, decode_only) if getattr(backend, "plan", None) else None
         prefill = None
         if getattr(backend, "prefill", None) is not None and not decode_only and self.config.attention != "mla":
@@ -105,7 +106,7 @@ class Transformer(nnx.Module):
         # plans: once per step, not per layer
         ctx = PagedContext(step, backend, block_size, decode_only, plan=plan, prefill=prefill)
         hidden, cache = self._run_layers(self.embed(step.token_ids), step.positions, ctx, cache)
-        return self.logits(hidden[step.logits_indices]), cache
+        return hidden, cache
 
 
 def init_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype) -> Cache:

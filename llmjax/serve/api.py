@@ -215,10 +215,17 @@ class OpenAIServer:
             i = index[rid]
             prefix = self._prompt_text(prompts[i]) if body.echo else ""
             for c in out.outputs:
-                logprobs = None if params.logprobs is None else self._completion_logprobs(c.token_ids, c.logprobs, 0)[0]
-                choices.append(p.CompletionChoice(index=i * params.n + c.index, text=prefix + c.text,
-                                                  logprobs=logprobs, finish_reason=c.finish_reason,
-                                                  stop_reason=c.stop_reason))
+                text, token_ids, entries, finish_reason, stop_reason = \
+                    ("", [], [], "length", None) if body.echo_only else \
+                    (c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
+                logprobs = None
+                if params.logprobs is not None:
+                    if body.echo:
+                        token_ids, entries = out.prompt_token_ids + token_ids, out.prompt_logprobs + entries
+                    logprobs = self._completion_logprobs(token_ids, entries, 0)[0]
+                choices.append(p.CompletionChoice(index=i * params.n + c.index, text=prefix + text,
+                                                  logprobs=logprobs, finish_reason=finish_reason,
+                                                  stop_reason=stop_reason))
         choices.sort(key=lambda c: c.index)
         return JSONResponse(p.CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                                  usage=self._usage(list(outputs.values()))).model_dump())
@@ -228,22 +235,30 @@ class OpenAIServer:
         echoed: set[int] = set()  # choices whose prompt was sent
         offsets: dict[int, int] = {}  # per choice: the text offset after its tokens so far (logprobs)
         generated: dict[int, int] = {}  # per choice: its tokens so far (continuous usage)
+        prompt_logprobs: dict[str, list] = {}  # per request: its prompt's logprobs (in its first output)
         finished = []
         async for out in stream:
             _raise_if_failed(out)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[out.request_id] = out.prompt_logprobs
             for c in out.outputs:
                 i = index[out.request_id] * params.n + c.index
-                text = c.text
+                text, token_ids, entries, finish_reason, stop_reason = \
+                    ("", [], [], c.finish_reason and "length", None) if body.echo_only else \
+                    (c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
                 if body.echo and i not in echoed:
                     echoed.add(i)
                     text = self._prompt_text(prompts[index[out.request_id]]) + text
-                if not (text or c.finished or (params.logprobs is not None and c.token_ids)):
+                    if params.logprobs is not None:
+                        token_ids = out.prompt_token_ids + token_ids
+                        entries = prompt_logprobs[out.request_id] + (entries or [])
+                if not (text or finish_reason or (params.logprobs is not None and token_ids)):
                     continue
                 logprobs = None
                 if params.logprobs is not None:  # offsets follow the tokens, not text held back for stop strings
-                    logprobs, offsets[i] = self._completion_logprobs(c.token_ids, c.logprobs, offsets.get(i, 0))
-                choice = p.CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
-                                            stop_reason=c.stop_reason)
+                    logprobs, offsets[i] = self._completion_logprobs(token_ids, entries, offsets.get(i, 0))
+                choice = p.CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish_reason,
+                                            stop_reason=stop_reason)
                 usage = None
                 if body.continuous_usage:
                     generated[i] = generated.get(i, 0) + len(c.token_ids)

@@ -5,8 +5,8 @@ They are strict: an unknown field (`response_format`, `tools`, `suffix`, guided 
 refused (pydantic `extra_forbidden`; the API answers 400 naming it), and types are not coerced
 (`"yes"` is not a boolean, `"5"` not an integer, NaN and infinities are not numbers). Sampling
 values are bounded by `SamplingParams` itself (its `SamplingParamsError` names the field); this
-module checks shapes and what `SamplingParams` cannot see (prompt shapes, `best_of`, `echo` with
-`logprobs`, `top_logprobs` without `logprobs`, `stream_options` without `stream`).
+module checks shapes and what `SamplingParams` cannot see (prompt shapes, `best_of`, `max_tokens` 0
+without `echo`, `top_logprobs` without `logprobs`, `stream_options` without `stream`).
 OpenAI's `presence_penalty`, `frequency_penalty`, `logit_bias` (string token-id keys), `seed`
 and `n` map onto `SamplingParams` fields of the same names; vLLM extensions: `top_k`, `min_p`,
 `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
@@ -113,7 +113,8 @@ class _SamplingRequest(StrictRequest):
     def continuous_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises `SamplingParamsError` for a bad value."""
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options", "stream_options can only be given with stream: true")
@@ -124,6 +125,7 @@ class _SamplingRequest(StrictRequest):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=() if self.stop is None else self.stop,  # "" reaches SamplingParams, which refuses it
             stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
@@ -133,7 +135,11 @@ class _SamplingRequest(StrictRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    """`max_tokens` defaults to 16 (OpenAI's default); `null` is no limit but `max_model_len` (as in vLLM)."""
+    """`max_tokens` defaults to 16 (OpenAI's default); `null` is no limit but `max_model_len` (as in vLLM).
+    `echo` returns the prompt before the completion; with `logprobs` the prompt's tokens come with
+    theirs too (the first token's are null), as lm-evaluation-harness's loglikelihood tasks read them.
+    `max_tokens` 0 is allowed with `echo` only: the response is the prompt alone (`echo_only`; the
+    engine generates one token, which the response leaves out, as vLLM does)."""
 
     NULL_IS_NONE = frozenset({"max_tokens"})
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -174,9 +180,15 @@ class CompletionRequest(_SamplingRequest):
             raise SamplingParamsError("best_of", "only best_of=1 is supported")
         if self.best_of is not None and self.best_of < self.n:
             raise SamplingParamsError("best_of", f"best_of must be at least n ({self.n}), got {self.best_of}")
-        if self.echo and self.logprobs is not None:
-            raise SamplingParamsError("echo", "echo with logprobs is not supported (no prompt logprobs)")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise SamplingParamsError("max_tokens", "max_tokens must be at least 1 (0 only with echo), got 0")
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs, prompt_logprobs)
+
+    @property
+    def echo_only(self) -> bool:
+        """The response is the echoed prompt alone (`echo` with `max_tokens` 0)."""
+        return self.echo and self.max_tokens == 0
 
 
 class TextPart(StrictRequest):
@@ -427,19 +439,19 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 
 # --- logprobs ---------------------------------------------------------------------------------------
-def completion_logprobs(token_text, token_ids: list[int], entries: list[dict[int, float]],
+def completion_logprobs(token_text, token_ids: list[int], entries: list[dict[int, float] | None],
                         text_offset: int) -> tuple[CompletionLogprobs, int]:
-    """Legacy-completions logprobs of `token_ids`; each entry maps the sampled token, then the top
-    `logprobs` ids, to their logprobs, and all of it is returned (OpenAI: "the logprob of the sampled
-    token, so there may be up to logprobs+1 elements", as vLLM does). `token_text(id)` renders a
-    token; offsets count the tokens' text from `text_offset`. Returns the logprobs and the offset
-    after the last token."""
+    """Legacy-completions logprobs of `token_ids`; each entry maps the token, then the top `logprobs`
+    ids, to their logprobs, and all of it is returned (OpenAI: "the logprob of the sampled token, so
+    there may be up to logprobs+1 elements", as vLLM does); an entry None (an echoed prompt's first
+    token) gives null. `token_text(id)` renders a token; offsets count the tokens' text from
+    `text_offset`. Returns the logprobs and the offset after the last token."""
     result = CompletionLogprobs()
-    for token, entry in zip(token_ids, entries):
+    for token, entry in zip(token_ids, entries, strict=True):
         text = token_text(token)
         result.tokens.append(text)
-        result.token_logprobs.append(entry[token])
-        result.top_logprobs.append({token_text(t): lp for t, lp in entry.items()})
+        result.token_logprobs.append(None if entry is None else entry[token])
+        result.top_logprobs.append(None if entry is None else {token_text(t): lp for t, lp in entry.items()})
         result.text_offset.append(text_offset)
         text_offset += len(text)
     return result, text_offset
