@@ -73,7 +73,7 @@ def test_preempted_requests_keep_one_entry_per_prompt_token():
     dense model's."""
     engine = tiny_engine(kv_cache_memory_bytes=14 * 8 * engine_bytes_per_token("tiny-gqa"), max_num_seqs=4)
     prompts = _prompts(engine, (50, 45, 40, 30), seed=3)
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, prompt_logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=1)
     outs = drain(engine, [engine.add_request(p, params) for p in prompts])
     assert engine.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outs):
