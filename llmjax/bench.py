@@ -324,10 +324,6 @@ def parse_slo(item: str) -> tuple[str, float]:
     return name, ms
 
 
-def parse_slos(items: list[str]) -> dict[str, float]:
-    return dict(map(parse_slo, items))
-
-
 async def model_card(session: aiohttp.ClientSession, base_url: str) -> dict:
     """The first model card of the server's `/v1/models`; BenchError when there is none to read."""
     try:

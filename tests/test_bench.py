@@ -104,7 +104,7 @@ def test_failed_requests_are_counted_and_their_errors_shown(base_url, capsys):
 def test_goodput_counts_the_requests_within_every_slo():
     """vLLM's goodput: completed requests per second whose TTFT, TPOT and end-to-end latency all stay
     within the given limits (ms); failed requests count in neither."""
-    from llmjax.bench import RequestResult, parse_slos, summarize
+    from llmjax.bench import RequestResult, parse_slo, summarize
 
     def result(ttft_ms: float, e2e_ms: float, tokens: int, ok: bool = True) -> RequestResult:
         return RequestResult(ok=ok, prompt_tokens=4, output_tokens=tokens, ttft=ttft_ms / 1e3, latency=e2e_ms / 1e3)
@@ -116,16 +116,16 @@ def test_goodput_counts_the_requests_within_every_slo():
         result(50, 50, 1),       # one token: no TPOT
         result(10, 20, 3, ok=False),
     ]
-    slos = parse_slos(["ttft:200", "tpot:150"])
+    slos = dict(map(parse_slo, ["ttft:200", "tpot:150"]))
     summary = summarize(results, duration=2.0, slos=slos)
     assert summary["completed"] == 4 and summary["failed"] == 1
     assert summary["request_goodput"] == 2 / 2.0  # the first and the one-token request
-    assert summarize(results, 2.0, parse_slos(["e2el:1500"]))["request_goodput"] == 3 / 2.0
+    assert summarize(results, 2.0, dict([parse_slo("e2el:1500")]))["request_goodput"] == 3 / 2.0
     assert "request_goodput" not in summarize(results, 2.0, {})
     assert summary["tpot_ms"]["p50"] == pytest.approx(np.median([100.0, 100.0, 1900 / 9]))
     for bad in ("ttft", "latency:5", "ttft:", "ttft:abc", "tpot:-5", "e2el:0", "e2el:nan"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected NAME:MS"):
-            parse_slos([bad])
+            parse_slo(bad)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -277,11 +277,6 @@ class KVCacheManager:
     def has_request(self, req_id: Hashable) -> bool:
         return req_id in self._seqs
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        """Whether num_blocks fresh blocks could be handed out now, counting evictable blocks."""
-        pool = self.block_pool
-        return num_blocks <= pool.num_usable and num_blocks <= pool.num_free + pool.num_evictable
-
     def usage(self) -> KVUsage:
         pool = self.block_pool
         return KVUsage(pool.num_usable, pool.num_in_use, pool.num_evictable, pool.num_free, pool.num_in_use / pool.num_usable)
