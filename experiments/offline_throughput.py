@@ -107,22 +107,22 @@ def matmul_peak(cfg, library: str, dtype: str, rows: int, repeats: int = 7) -> f
     """FLOP/s of the model's matmul mix at `rows` tokens (FLOP-weighted: total FLOPs / total best time).
 
     XLA ("xla"): float32 x float32, or bfloat16 x bfloat16 accumulated in float32 (llmjax's paths);
-    AMX ("amx", bfloat16 only): `llmjax.ops.amx_matmul` on pre-packed weights (llmjax's bfloat16
-    path on a CPU with AMX); torch ("torch"): its matmul in `dtype` (HF's)."""
+    packed ("packed", bfloat16 only): `llmjax.ops.packed_matmul`'s selected kernel on pre-packed weights
+    (llmjax's bfloat16 path on a CPU with AMX or AVX512-BF16); torch ("torch"): its matmul in `dtype` (HF's)."""
     flops = seconds = 0.0
     for k, n, count in matmul_shapes(cfg):
-        if library in ("xla", "amx"):
+        if library in ("xla", "packed"):
             import jax
             import jax.numpy as jnp
 
             dt = jnp.dtype(dtype)
             a, b = jnp.ones((rows, k), dt), jnp.full((k, n), 0.01, dt)
             f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-            if library == "amx":
-                from llmjax.ops.amx_matmul import amx_matmul, pack_weight
+            if library == "packed":
+                from llmjax.ops.packed_matmul import pack_weight, packed_matmul
 
                 b = jnp.asarray(pack_weight(np.asarray(b)))
-                f = jax.jit(lambda x, y, n=n: amx_matmul(x, y, n))
+                f = jax.jit(lambda x, y, n=n: packed_matmul(x, y, n))
             best = _best_time(lambda: f(a, b).block_until_ready(), repeats)
         else:
             import torch
@@ -508,11 +508,11 @@ def main() -> None:
     bar.close()
 
     print("measuring matmul peaks on the model's shapes")
-    from llmjax.ops import amx_matmul
+    from llmjax.ops import packed_matmul
 
     peaks = {}  # every library's peak on every dtype of the run: a dtype's peak is the best of them
     for dtype in sorted({r["dtype"] for r in runs.values() if r["dtype"] in ("float32", "bfloat16")}):
-        libs = ("xla", "torch") + (("amx",) if dtype == "bfloat16" and amx_matmul.enabled(dtype) else ())
+        libs = ("xla", "torch") + (("packed",) if dtype == "bfloat16" and packed_matmul.enabled(dtype) else ())
         for lib in libs:
             for rows in (64, 512):
                 peaks[f"{lib} {dtype} {rows}"] = matmul_peak(cfg, lib, dtype, rows)
@@ -643,7 +643,7 @@ def summarize(args, runs, peaks, bandwidth, flops, total_out, n_req, hf_models, 
                      f"{lc['seqs']} sequences decoded together{agree}.")
     notes.append(f"Memory bandwidth: {bandwidth / 1e9:.1f} GB/s (torch summing 1 GiB of float32 on all cores, best of 7).")
     notes.append("Matmul peaks on the model's shapes (FLOP-weighted mix of its projections and LM head, best of 7 "
-                 "runs each; XLA's dot, llmjax's AMX kernel, torch; a precision's peak is the best of them): " + "; ".join(f"{k} rows {v / 1e9:.0f} GFLOP/s" for k, v in sorted(peaks.items())) + ".")
+                 "runs each; XLA's dot, llmjax's packed kernel, torch; a precision's peak is the best of them): " + "; ".join(f"{k} rows {v / 1e9:.0f} GFLOP/s" for k, v in sorted(peaks.items())) + ".")
     if "hf" in best and "llmjax" in best:
         hf_s, ours = med(runs[best["hf"]]), runs[best["llmjax"]]
         peak = peak_of(best["llmjax"], ours)

@@ -176,6 +176,14 @@ def kv_bookkeeping(d: dict, n: Numbers) -> str:
             "given the same tuple (the scheduler's steady decode step)")
 
 
+def packed_matmul(d: dict, n: Numbers) -> str:
+    kernel, mix, ratio = d["kernel"], d["mix"], d["engine"]["ratio_median"]
+    return (f"the {kernel} kernel against XLA's bfloat16 dots on SmolLM2's matmul mix: "
+            f"{n.ratio(mix['64'][kernel], mix['64']['xla'])}x at 64 rows, "
+            f"{n.ratio(mix['512'][kernel], mix['512']['xla'])}x at 512; in the engine (bfloat16) "
+            f"{n(ratio['decode'], '.2f')}x the decode tokens/s, {n(ratio['prefill'], '.2f')}x the prefill tokens/s")
+
+
 def kernel_bench(d: dict, n: Numbers) -> str:
     return (f"measured peaks: matmul {n(d['peak_flops'], '.1f', 1e-12)} TFLOP/s, copy {n(d['peak_bw'], '.0f', 1e-9)} "
             f"GB/s; {n(len(d['rows']), 'd')} kernel shapes timed")
@@ -303,6 +311,7 @@ ROWS: list[tuple[str, str, Formatter]] = [
      "results/offline_throughput_peers_epyc.json", offline_throughput),
     ("[offline_throughput, equal prompts, with llama.cpp](results/offline_throughput_equal_peers_epyc.md) (no AMX)",
      "results/offline_throughput_equal_peers_epyc.json", offline_throughput),
+    ("[packed_matmul](results/packed_matmul_epyc.md) (AVX512-BF16)", "results/packed_matmul_epyc.json", packed_matmul),
     ("[memory_waste](results/memory_waste.md) (PagedAttention Fig. 2, simulator)", "results/memory_waste.json",
      memory_waste),
     ("[radix_hit_rate](results/radix_hit_rate.md) (RadixAttention)", "results/radix_hit_rate.json", radix_hit_rate),

