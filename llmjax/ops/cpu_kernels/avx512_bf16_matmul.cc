@@ -1,7 +1,7 @@
 // bfloat16 matmul with float32 accumulation on AVX512-BF16 (VDPBF16PS), called through the XLA
 // FFI: for CPUs with bfloat16 dot instructions but no AMX (AMD Zen 4 and later, Intel Cooper Lake).
 //
-// Handler `LlmjaxAvx512Bf16Matmul` (registered by llmjax/ops/bf16_matmul.py): the operands, the
+// Handler `LlmjaxAvx512Bf16Matmul` (registered by llmjax/ops/packed_matmul.py): the operands, the
 // packed weight layout and the result are those of `LlmjaxAmxMatmul` (amx_matmul.cc):
 //   x      bf16 [M, K]  activations
 //   w      [L, ceil(N/32), ceil(K/32), 2, 16, 32], bf16 or u16: a stack of L packed W [K, N],
