@@ -177,10 +177,11 @@ def kv_bookkeeping(d: dict, n: Numbers) -> str:
 
 
 def packed_matmul(d: dict, n: Numbers) -> str:
-    kernel, mix, ratio = d["kernel"], d["mix"], d["engine"]["ratio_median"]
-    return (f"the {kernel} kernel against XLA's bfloat16 dots on SmolLM2's matmul mix: "
-            f"{n.ratio(mix['64'][kernel], mix['64']['xla'])}x at 64 rows, "
-            f"{n.ratio(mix['512'][kernel], mix['512']['xla'])}x at 512; in the engine (bfloat16) "
+    kernel, ratio = d["kernel"], d["engine"]["ratio_median"]
+    small, large = sorted({r["rows"] for r in d["matmuls"]})
+    mix = [n.ratio(d["mix"][str(rows)][kernel], d["mix"][str(rows)]["xla"]) for rows in (small, large)]
+    return (f"the {kernel} kernel against XLA's bfloat16 dots on SmolLM2's matmul mix: {mix[0]}x at "
+            f"{n(small, 'd')} rows, {mix[1]}x at {n(large, 'd')}; in the engine (bfloat16) "
             f"{n(ratio['decode'], '.2f')}x the decode tokens/s, {n(ratio['prefill'], '.2f')}x the prefill tokens/s")
 
 

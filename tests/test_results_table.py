@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 import results_table  # noqa: E402
 
 # Digits a headline may show outside a recorded number: names of models, dtypes and hardware.
-NAMES = re.compile(r"SmolLM2|OPT-13B|A100|sm_90|float32|bfloat16|float16|Pow2|\bp\d+\b|§\d+(\.\d+)?")
+NAMES = re.compile(r"SmolLM2|OPT-13B|A100|sm_90|float32|bfloat16|float16|avx512_bf16|Pow2|\bp\d+\b|§\d+(\.\d+)?")
 
 
 def json_numbers(node) -> list[float]:
