@@ -369,11 +369,20 @@ def alternating(items: list | tuple, rounds: int) -> Iterator[tuple[int, object]
             yield round_, item
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(count: int = 1) -> int:
+    """The first of `count` consecutive TCP ports on 127.0.0.1 that were free a moment ago (the OS's
+    choice, its neighbours checked by binding them): a router's and its replicas' ports."""
+    while True:
+        with contextlib.ExitStack() as held:
+            first = held.enter_context(socket.socket())
+            first.bind(("127.0.0.1", 0))
+            base = first.getsockname()[1]
+            try:
+                for port in range(base + 1, base + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except (OSError, OverflowError):  # a neighbour is taken, or past 65535: another base
+                continue
+            return base
 
 
 @contextlib.contextmanager

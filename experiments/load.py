@@ -371,7 +371,8 @@ def main() -> None:
     args = parser.parse_args()
     args.server_args = args.server_args or TINY_SERVER_ARGS
 
-    port, base = free_port(), free_port()
+    base = free_port(REPLICAS + 1)  # the replicas' ports, then the router's
+    port = base + REPLICAS
     router, urls = f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{base + i}" for i in range(REPLICAS)]
     context = multiprocessing.get_context("spawn")
     stop, (receive, send) = context.Event(), context.Pipe(duplex=False)

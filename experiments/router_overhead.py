@@ -56,7 +56,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_stream_args(ap, num_prompts=384, quick_help="one round, 32 streams of 16 tokens")
     args = parse_stream_args(ap, quick=dict(rounds=1, num_prompts=32, concurrency=32, output_len=16))
-    port, replica_port = free_port(), free_port()
+    replica_port = free_port(2)  # the replica's port, then the router's
+    port = replica_port + 1
     urls = {"router": f"http://127.0.0.1:{port}", "direct": f"http://127.0.0.1:{replica_port}"}
     cmd = [sys.executable, "-m", "llmjax.cli", "cluster", args.model, "--replicas", "1", "--port", str(port),
            "--replica-base-port", str(replica_port), "--stream-interval", "1", *stream_server_args(args)]

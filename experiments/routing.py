@@ -96,9 +96,10 @@ def arrival_order(groups: int, per_group: int, seed: int) -> list[int]:
 @contextlib.contextmanager
 def cluster(args: argparse.Namespace, policy: str, log):
     """`llmjax cluster` in a subprocess; yields the router URL once it is up."""
-    port = free_port()
+    base = free_port(args.replicas + 1)  # the replicas' ports, then the router's
+    port = base + args.replicas
     cmd = [sys.executable, "-m", "llmjax.cli", "cluster", args.model, "--replicas", str(args.replicas),
-           "--port", str(port), "--replica-base-port", str(free_port()), "--policy", policy,
+           "--port", str(port), "--replica-base-port", str(base), "--policy", policy,
            "--uvicorn-log-level", "warning", *args.server_args]
     url = f"http://127.0.0.1:{port}"
     with server_process(cmd, url, log):

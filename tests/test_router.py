@@ -14,11 +14,11 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -33,6 +33,9 @@ from llmjax.serve.router import Router, build_router_app
 from llmjax.serve.routing import CacheAware, RoundRobin, routing_key
 from tests.engine_helpers import tiny_engine
 from tests.server_helpers import running_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
+from common import free_port  # noqa: E402  (experiments/common.py)
 
 MODEL = "tiny"
 GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 4, "ignore_eos": True}
@@ -537,12 +540,6 @@ def test_poison_requests_through_the_router_leave_every_replica_healthy(replicas
             assert asyncio.run(_one(router, family_prompt(i, 0), stream=i % 2 == 0))[0] == 200
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _children(pid: int) -> list[tuple[int, str, str]]:
     """(pid, state, command line) of the processes whose parent is `pid` (zombies included)."""
     found = []
@@ -564,7 +561,8 @@ def test_cluster_restarts_a_killed_replica_and_loses_no_unstarted_request(tmp_pa
     """`llmjax cluster` with two tiny replicas under load: one replica is killed with SIGKILL.
     Every request that had not started streaming succeeds (the router retries it on the other
     replica), the supervisor restarts the killed one (reaped: no zombie), and SIGTERM stops all."""
-    port, base = _free_port(), _free_port()
+    base = free_port(3)  # the two replicas' ports, then the router's
+    port = base + 2
     cmd = [sys.executable, "-m", "llmjax.cli", "cluster", "tiny-gqa", "--replicas", "2", "--port", str(port),
            "--replica-base-port", str(base), "--served-model-name", MODEL, "--no-warmup", "--block-size", "8",
            "--max-model-len", "128", "--kv-cache-memory", str(4 << 20), "--attention-backend", "xla",
