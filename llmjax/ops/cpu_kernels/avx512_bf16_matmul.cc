@@ -28,6 +28,7 @@
 #include <cstring>
 #include <vector>
 
+#include "packed_operands.h"
 #include "work_items.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -106,19 +107,9 @@ void Column(const Problem& p, int64_t nb, int64_t m_begin, int64_t m_end) {
 
 ffi::Error Avx512Bf16Matmul(ffi::ThreadPool pool, Bf16R2 x, ffi::AnyBuffer w, S32R0 layer,
                             ffi::Result<F32R2> y) {
-  if (w.element_type() != ffi::DataType::BF16 && w.element_type() != ffi::DataType::U16) {
-    return ffi::Error::InvalidArgument("w must be bfloat16 or uint16 (bfloat16 bits)");
-  }
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  const int64_t m = xd[0], k = xd[1], n = yd[1];
-  const int64_t k_blocks = (k + kDepth - 1) / kDepth, n_blocks = (n + kBlock - 1) / kBlock;
-  if (yd[0] != m || wd.size() != 6 || wd[1] != n_blocks || wd[2] != k_blocks || wd[3] != 2 ||
-      wd[4] != kLanes || wd[5] != kDepth) {
-    return ffi::Error::InvalidArgument(
-        "x [M, K], y [M, N] and w [L, ceil(N/32), ceil(K/32), 2, 16, 32] disagree");
-  }
-  const int32_t l = *layer.typed_data();
-  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("layer out of range");
+  llmjax::PackedOperands ops;
+  if (auto error = llmjax::CheckPackedOperands(x, w, layer, *y, ops); error.failure()) return error;
+  const int64_t m = ops.m, k = ops.k, n = ops.n, k_blocks = ops.k_blocks, n_blocks = ops.n_blocks;
   if (m == 0 || n == 0) return ffi::Error::Success();
   const auto* xs = static_cast<const uint16_t*>(x.untyped_data());
   const int64_t kp = k_blocks * kDepth;
@@ -130,9 +121,7 @@ ffi::Error Avx512Bf16Matmul(ffi::ThreadPool pool, Bf16R2 x, ffi::AnyBuffer w, S3
     for (int64_t r = 0; r < m; ++r) std::memcpy(padded.data() + r * kp, xs + r * k, k * sizeof(uint16_t));
     rows = padded.data();
   }
-  const int64_t weight_elems = n_blocks * k_blocks * kPanelPairStride;
-  const Problem p{rows, kp, static_cast<const uint16_t*>(w.untyped_data()) + l * weight_elems,
-                  y->typed_data(), m, n, k_blocks};
+  const Problem p{rows, kp, ops.w, y->typed_data(), m, n, k_blocks};
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t group = std::clamp<int64_t>(n_blocks / (4 * threads), 1, kPageBlocks);
   const int64_t groups = (n_blocks + group - 1) / group;
