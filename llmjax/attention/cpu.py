@@ -28,16 +28,17 @@ def native_supported(head_dim: int, cache_dtype) -> bool:
 
 
 def paged_attention(q, k_cache, v_cache, layer, query_start_loc, seq_lens, block_tables,
-                    num_decodes, *, sm_scale, decode_only=False):
+                    num_decodes, *, sm_scale, decode_only=False, target=native.TARGET):
     """`xla.ragged_paged_attention` in the native kernel: q [T, H, D] -> [T, H, D] in q's dtype.
 
     k_cache, v_cache: [L, num_blocks, bs, Hkv, D] in a dtype `native_supported` accepts; the
     other operands int32 as in xla. q is widened to float32; math is float32. CPU platform
-    only; RuntimeError when `native.available()` is False.
+    only; RuntimeError when `native.available()` is False. `target`: the FFI target to call,
+    another registered build of the kernel (experiments/decode_attention.py compares builds).
     """
     if not native.available():
         raise RuntimeError("the native CPU attention kernel is unavailable (see the logged warning)")
-    call = jax.ffi.ffi_call(native.TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     out = call(q.astype(jnp.float32), k_cache, v_cache, i32(layer), i32(query_start_loc),
                i32(seq_lens), i32(block_tables), i32(num_decodes),

@@ -23,7 +23,7 @@
 // first), then the decode rows.
 //
 // Decode rows: along the block table in chunks of kChunk keys (the next chunk prefetched
-// meanwhile), with an online softmax per head: each context slot's K and V rows come from
+// into L2 meanwhile), with an online softmax per head: each context slot's K and V rows come from
 // memory once (a KV head's G query heads reuse them from the CPU caches). Values are handled
 // 32 at a time ("pairs" of vectors): float32 as two consecutive vectors; bfloat16 as one
 // 64-byte load split into its even and odd elements by a shift and a mask (exact), q and the
@@ -226,12 +226,20 @@ void RowPointers(const T* x, const int64_t* keys, int64_t n, int64_t h0, int64_t
   }
 }
 
+// The cache level the decode rows' prefetches fill (__builtin_prefetch's locality): 2, L2.
+// Into L1 (3) measured slower: the next chunk (48 KiB of K and V for a row of SmolLM2 in
+// bfloat16) does not fit beside the current one in a 32 KiB L1. experiments/decode_attention.py
+// builds the kernel both ways and times them side by side.
+#ifndef LLMJAX_PREFETCH_LOCALITY
+#define LLMJAX_PREFETCH_LOCALITY 2
+#endif
+
 // Prefetches bytes [offset, offset + bytes) of the slots keys[0, n) of x.
 template <typename T>
 void Prefetch(const T* x, const int64_t* keys, int64_t n, int64_t offset, int64_t bytes) {
   for (int64_t j = 0; j < n; ++j) {
     const char* row = reinterpret_cast<const char*>(x + keys[j] + offset);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, LLMJAX_PREFETCH_LOCALITY);
   }
 }
 

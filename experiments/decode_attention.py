@@ -1,0 +1,198 @@
+"""The native CPU attention kernel's decode rows (`llmjax/attention/cpu_kernels/paged_decode.cc`)
+with its prefetches into L2 (the engine's build) and into L1 (the same source built with
+`-DLLMJAX_PREFETCH_LOCALITY=3`), side by side.
+
+Each case is a decode-only step of SmolLM2-135M's attention geometry (from the embedded GGUF's
+metadata: layers, query and KV heads, head dim): `--rows` requests of one context length, their
+blocks (16 tokens) shuffled across a cache of exactly the blocks they use, all layers called in a
+`lax.scan` as the model does. The two builds alternate over `--rounds` rounds (each round the
+best of `--repeats` calls per build); the table gives medians of milliseconds per step, the KV
+bytes read per second, and the ratio per round (L1 build / L2 build). The KV cache is float32 or
+bfloat16 (`--dtypes`).
+
+Writes results/<--out-name>.md, .json and .png (default `decode_attention`).
+
+    python experiments/decode_attention.py [--contexts 128,400,1000] [--rows 64] [--rounds 7]
+    python experiments/decode_attention.py --quick    (smoke run into build/results-quick/)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import alternating, table, write_report  # noqa: E402
+
+from llmjax.cpu_flags import apply_cpu_flags  # noqa: E402
+from llmjax.provenance import results_dir  # noqa: E402
+
+apply_cpu_flags()  # the engine's XLA flags, before JAX starts its backend
+
+BLOCK = 16
+L1_TARGET = "llmjax_paged_decode_l1_prefetch"
+BUILDS = ("L2 prefetch (engine)", "L1 prefetch")
+
+
+def geometry() -> dict:
+    """SmolLM2-135M's attention shapes, from the embedded GGUF's metadata."""
+    from llmjax.config import model_config_from_gguf_metadata
+    from llmjax.models.loader import embedded_model_path, gguf_metadata, read_gguf
+
+    cfg = model_config_from_gguf_metadata(gguf_metadata(read_gguf(embedded_model_path())))
+    return dict(layers=cfg.num_layers, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                scale=cfg.softmax_scale())
+
+
+def load_l1_build() -> None:
+    """Build and register the kernel with L1 prefetches under `L1_TARGET`."""
+    from llmjax.attention import native
+
+    kernel = native.NativeKernel(native.SOURCE, ((L1_TARGET, "LlmjaxPagedDecode"),),
+                                 flags=native.FLAGS + ("-DLLMJAX_PREFETCH_LOCALITY=3",),
+                                 label="native CPU attention kernel with L1 prefetches")
+    if not (native.available() and native.load(kernel)):
+        raise SystemExit("the native CPU attention kernel did not build here (see the warning above)")
+
+
+def step_functions(geo: dict, rows: int, context: int, dtype: str, seed: int = 0) -> tuple[dict, int]:
+    """build -> a call running one decode step over all layers and waiting for it; the KV bytes
+    one step reads."""
+    import jax
+    import jax.numpy as jnp
+
+    from llmjax.attention import cpu, native
+    from llmjax.attention.cache_dtype import BF16_BITS, to_storage
+
+    rng = np.random.default_rng(seed)
+    per_row = -(-context // BLOCK)
+    num_blocks = rows * per_row + 1  # block 0: the null block
+    shape = (geo["layers"], num_blocks, BLOCK, geo["kv_heads"], geo["head_dim"])
+    caches = []
+    for _ in range(2):
+        x = jnp.asarray(rng.standard_normal(shape, np.float32))
+        caches.append(to_storage(x, BF16_BITS) if dtype == "bfloat16" else x)
+    tables = jnp.asarray(rng.permutation(np.arange(1, num_blocks)).reshape(rows, per_row).astype(np.int32))
+    q = jnp.asarray(rng.standard_normal((rows, geo["heads"], geo["head_dim"]), np.float32))
+    query_start_loc = jnp.arange(rows + 1, dtype=jnp.int32)
+    seq_lens = jnp.full((rows,), context, jnp.int32)
+
+    def step(target):
+        @jax.jit
+        def run(q, k, v):
+            def layer(carry, index):
+                out = cpu.paged_attention(q + carry, k, v, index, query_start_loc, seq_lens, tables, rows,
+                                          sm_scale=geo["scale"], decode_only=True, target=target)
+                return carry + 1e-6 * out, None  # each layer depends on the last, as in the model
+            return jax.lax.scan(layer, jnp.zeros_like(q), jnp.arange(geo["layers"]))[0]
+
+        run(q, *caches).block_until_ready()  # compile
+        return lambda: run(q, *caches).block_until_ready()
+
+    item_bytes = 2 if dtype == "bfloat16" else 4
+    kv_bytes = 2 * geo["layers"] * rows * context * geo["kv_heads"] * geo["head_dim"] * item_bytes
+    return {BUILDS[0]: step(native.TARGET), BUILDS[1]: step(L1_TARGET)}, kv_bytes
+
+
+def best_time(call, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(geo: dict, rows: int, contexts: list[int], dtypes: list[str], rounds: int, repeats: int) -> list[dict]:
+    results = []
+    for dtype in dtypes:
+        for context in contexts:
+            print(f"{dtype} cache, {rows} rows at {context} keys: compiling both builds", flush=True)
+            calls, kv_bytes = step_functions(geo, rows, context, dtype)
+            times: dict[str, list[float]] = {b: [0.0] * rounds for b in BUILDS}
+            for round_, build in alternating(BUILDS, rounds):
+                times[build][round_] = best_time(calls[build], repeats)
+            ratios = [times[BUILDS[1]][r] / times[BUILDS[0]][r] for r in range(rounds)]
+            row = dict(dtype=dtype, context=context, rows=rows, kv_mb=kv_bytes / 1e6,
+                       ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+            for build in BUILDS:
+                ms = 1e3 * statistics.median(times[build])
+                row[build] = dict(ms=ms, gb_s=kv_bytes / ms / 1e6, ms_per_round=[1e3 * t for t in times[build]])
+            print(f"  {BUILDS[0]} {row[BUILDS[0]]['ms']:.1f} ms, {BUILDS[1]} {row[BUILDS[1]]['ms']:.1f} ms: "
+                  f"{row['ratio']:.2f}x", flush=True)
+            results.append(row)
+    return results
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    x = np.arange(len(results))
+    for i, build in enumerate(BUILDS):
+        ax.bar(x + (i - 0.5) * 0.4, [r[build]["gb_s"] for r in results], 0.4, label=build)
+    ax.set_xticks(x, [f"{r['dtype']}\n{r['context']} keys" for r in results])
+    ax.set_ylabel("KV cache read, GB/s")
+    ax.set_title(f"Decode attention, SmolLM2-135M geometry, {results[0]['rows']} rows, all layers")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="128,400,1000", help="context lengths (keys per row), comma-separated")
+    ap.add_argument("--rows", type=int, default=64, help="decode rows per step")
+    ap.add_argument("--dtypes", default="bfloat16,float32", help="KV cache dtypes, comma-separated")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=5, help="calls per build per round (the best counts)")
+    ap.add_argument("--out-name", default="decode_attention")
+    ap.add_argument("--quick", action="store_true", help="2 rounds, 8 rows at 64 keys, bfloat16 (a smoke run)")
+    args = ap.parse_args()
+    if args.quick:
+        args.contexts, args.rows, args.dtypes, args.rounds, args.repeats = "64", 8, "bfloat16", 2, 2
+    contexts = [int(c) for c in args.contexts.split(",")]
+    dtypes = args.dtypes.split(",")
+    if args.rows < 1 or args.rounds < 1 or args.repeats < 1 or min(contexts) < 1:
+        raise SystemExit("--rows, --rounds, --repeats and every context must be at least 1")
+    if not set(dtypes) <= {"bfloat16", "float32"}:
+        raise SystemExit("--dtypes: bfloat16 and / or float32")
+
+    load_l1_build()
+    geo = geometry()
+    results = measure(geo, args.rows, contexts, dtypes, args.rounds, args.repeats)
+    out = results_dir(args.quick)
+    plot(results, out / f"{args.out_name}.png")
+    columns = [("dtype", "KV cache", ""), ("context", "keys per row", ""), ("kv_mb", "KV MB per step", ".0f")]
+    rows = []
+    for r in results:
+        row = dict(r)
+        for build in BUILDS:
+            row[f"{build} ms"], row[f"{build} GB/s"] = r[build]["ms"], r[build]["gb_s"]
+        row["ratio_text"] = f"{r['ratio']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+        rows.append(row)
+    columns += [(f"{b} {unit}", f"{b} {unit}", ".1f") for b in BUILDS for unit in ("ms", "GB/s")]
+    columns.append(("ratio_text", "L1 / L2 time (range over rounds)", ""))
+    body = (f"`python {' '.join(sys.argv)}`\n\n"
+            f"Decode-only steps of SmolLM2-135M's attention ({geo['layers']} layers, {geo['heads']} query heads, "
+            f"{geo['kv_heads']} KV heads, head dim {geo['head_dim']}): {args.rows} rows of one context length, "
+            f"blocks of {BLOCK} tokens shuffled over the cache, all layers in one `lax.scan`. Median over "
+            f"{args.rounds} rounds (builds alternating) of the best of {args.repeats} calls; GB/s: the KV "
+            "bytes the step reads per second.\n\n" + table(rows, columns) + "\n\n"
+            f"![decode attention]({args.out_name}.png)\n")
+    write_report(args.out_name, "Decode attention: prefetching into L2 or L1", body,
+                 dict(geometry=geo, results=results), out)
+
+
+if __name__ == "__main__":
+    main()
