@@ -1,14 +1,16 @@
 """The native CPU attention kernel's decode rows (`llmjax/attention/cpu_kernels/paged_decode.cc`)
-with its prefetches into L2 (the engine's build) and into L1 (the same source built with
-`-DLLMJAX_PREFETCH_LOCALITY=3`), side by side.
+built three ways, side by side: the engine's build (each row prefetches its next chunk into L2,
+and over its last chunk the first chunk of its thread's next row); without that prefetch of the
+next row (`-DLLMJAX_PREFETCH_FOLLOWING=0`); with the prefetches into L1
+(`-DLLMJAX_PREFETCH_LOCALITY=3`).
 
 Each case is a decode-only step of SmolLM2-135M's attention geometry (from the embedded GGUF's
 metadata: layers, query and KV heads, head dim): `--rows` requests of one context length, their
 blocks (16 tokens) shuffled across a cache of exactly the blocks they use, all layers called in a
-`lax.scan` as the model does. The two builds alternate over `--rounds` rounds (each round the
-best of `--repeats` calls per build); the table gives medians of milliseconds per step, the KV
-bytes read per second, and the ratio per round (L1 build / L2 build). The KV cache is float32 or
-bfloat16 (`--dtypes`).
+`lax.scan` as the model does. The builds alternate over `--rounds` rounds (each round the best
+of `--repeats` calls per build); the table gives medians of milliseconds per step, the KV bytes
+read per second, and each other build's time over the engine build's (median and range of the
+per-round ratios). The KV cache is float32 or bfloat16 (`--dtypes`).
 
 Writes results/<--out-name>.md, .json and .png (default `decode_attention`).
 
@@ -36,8 +38,11 @@ from llmjax.provenance import results_dir  # noqa: E402
 apply_cpu_flags()  # the engine's XLA flags, before JAX starts its backend
 
 BLOCK = 16
-L1_TARGET = "llmjax_paged_decode_l1_prefetch"
-BUILDS = ("L2 prefetch (engine)", "L1 prefetch")
+ENGINE = "engine build"
+# build -> (FFI target, compiler flags added to the engine's)
+VARIANTS = {"no next-row prefetch": ("llmjax_paged_decode_no_following", ("-DLLMJAX_PREFETCH_FOLLOWING=0",)),
+            "L1 prefetch": ("llmjax_paged_decode_l1", ("-DLLMJAX_PREFETCH_LOCALITY=3",))}
+BUILDS = (ENGINE, *VARIANTS)
 
 
 def geometry() -> dict:
@@ -50,24 +55,30 @@ def geometry() -> dict:
                 scale=cfg.softmax_scale())
 
 
-def load_l1_build() -> None:
-    """Build and register the kernel with L1 prefetches under `L1_TARGET`."""
+def load_builds() -> dict[str, str]:
+    """Build and register the engine's kernel and each of `VARIANTS`; build -> FFI target."""
     from llmjax.attention import native
 
-    kernel = native.NativeKernel(native.SOURCE, ((L1_TARGET, "LlmjaxPagedDecode"),),
-                                 flags=native.FLAGS + ("-DLLMJAX_PREFETCH_LOCALITY=3",),
-                                 label="native CPU attention kernel with L1 prefetches")
-    if not (native.available() and native.load(kernel)):
+    if not native.available():
         raise SystemExit("the native CPU attention kernel did not build here (see the warning above)")
+    targets = {ENGINE: native.TARGET}
+    for build, (target, flags) in VARIANTS.items():
+        kernel = native.NativeKernel(native.SOURCE, ((target, "LlmjaxPagedDecode"),), flags=native.FLAGS + flags,
+                                     label=f"native CPU attention kernel, {build}")
+        if not native.load(kernel):
+            raise SystemExit(f"the kernel's {build} build failed (see the warning above)")
+        targets[build] = target
+    return targets
 
 
-def step_functions(geo: dict, rows: int, context: int, dtype: str, seed: int = 0) -> tuple[dict, int]:
+def step_functions(geo: dict, targets: dict[str, str], rows: int, context: int, dtype: str,
+                   seed: int = 0) -> tuple[dict, int]:
     """build -> a call running one decode step over all layers and waiting for it; the KV bytes
     one step reads."""
     import jax
     import jax.numpy as jnp
 
-    from llmjax.attention import cpu, native
+    from llmjax.attention import cpu
     from llmjax.attention.cache_dtype import BF16_BITS, to_storage
 
     rng = np.random.default_rng(seed)
@@ -97,7 +108,7 @@ def step_functions(geo: dict, rows: int, context: int, dtype: str, seed: int = 0
 
     item_bytes = 2 if dtype == "bfloat16" else 4
     kv_bytes = 2 * geo["layers"] * rows * context * geo["kv_heads"] * geo["head_dim"] * item_bytes
-    return {BUILDS[0]: step(native.TARGET), BUILDS[1]: step(L1_TARGET)}, kv_bytes
+    return {build: step(target) for build, target in targets.items()}, kv_bytes
 
 
 def best_time(call, repeats: int) -> float:
@@ -109,23 +120,25 @@ def best_time(call, repeats: int) -> float:
     return best
 
 
-def measure(geo: dict, rows: int, contexts: list[int], dtypes: list[str], rounds: int, repeats: int) -> list[dict]:
+def measure(geo: dict, targets: dict[str, str], rows: int, contexts: list[int], dtypes: list[str], rounds: int,
+            repeats: int) -> list[dict]:
     results = []
     for dtype in dtypes:
         for context in contexts:
-            print(f"{dtype} cache, {rows} rows at {context} keys: compiling both builds", flush=True)
-            calls, kv_bytes = step_functions(geo, rows, context, dtype)
+            print(f"{dtype} cache, {rows} rows at {context} keys: compiling each build", flush=True)
+            calls, kv_bytes = step_functions(geo, targets, rows, context, dtype)
             times: dict[str, list[float]] = {b: [0.0] * rounds for b in BUILDS}
             for round_, build in alternating(BUILDS, rounds):
                 times[build][round_] = best_time(calls[build], repeats)
-            ratios = [times[BUILDS[1]][r] / times[BUILDS[0]][r] for r in range(rounds)]
-            row = dict(dtype=dtype, context=context, rows=rows, kv_mb=kv_bytes / 1e6,
-                       ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+            row = dict(dtype=dtype, context=context, rows=rows, kv_mb=kv_bytes / 1e6)
             for build in BUILDS:
                 ms = 1e3 * statistics.median(times[build])
-                row[build] = dict(ms=ms, gb_s=kv_bytes / ms / 1e6, ms_per_round=[1e3 * t for t in times[build]])
-            print(f"  {BUILDS[0]} {row[BUILDS[0]]['ms']:.1f} ms, {BUILDS[1]} {row[BUILDS[1]]['ms']:.1f} ms: "
-                  f"{row['ratio']:.2f}x", flush=True)
+                ratios = [times[build][r] / times[ENGINE][r] for r in range(rounds)]
+                row[build] = dict(ms=ms, gb_s=kv_bytes / ms / 1e6, ms_per_round=[1e3 * t for t in times[build]],
+                                  vs_engine=statistics.median(ratios), vs_engine_min=min(ratios),
+                                  vs_engine_max=max(ratios))
+            print("  " + ", ".join(f"{b} {row[b]['ms']:.1f} ms ({row[b]['vs_engine']:.2f}x)" for b in BUILDS),
+                  flush=True)
             results.append(row)
     return results
 
@@ -138,8 +151,9 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4))
     x = np.arange(len(results))
+    width = 0.8 / len(BUILDS)
     for i, build in enumerate(BUILDS):
-        ax.bar(x + (i - 0.5) * 0.4, [r[build]["gb_s"] for r in results], 0.4, label=build)
+        ax.bar(x + (i - (len(BUILDS) - 1) / 2) * width, [r[build]["gb_s"] for r in results], width, label=build)
     ax.set_xticks(x, [f"{r['dtype']}\n{r['context']} keys" for r in results])
     ax.set_ylabel("KV cache read, GB/s")
     ax.set_title(f"Decode attention, SmolLM2-135M geometry, {results[0]['rows']} rows, all layers")
@@ -168,9 +182,9 @@ def main() -> None:
     if not set(dtypes) <= {"bfloat16", "float32"}:
         raise SystemExit("--dtypes: bfloat16 and / or float32")
 
-    load_l1_build()
+    targets = load_builds()
     geo = geometry()
-    results = measure(geo, args.rows, contexts, dtypes, args.rounds, args.repeats)
+    results = measure(geo, targets, args.rows, contexts, dtypes, args.rounds, args.repeats)
     out = results_dir(args.quick)
     plot(results, out / f"{args.out_name}.png")
     columns = [("dtype", "KV cache", ""), ("context", "keys per row", ""), ("kv_mb", "KV MB per step", ".0f")]
@@ -178,19 +192,21 @@ def main() -> None:
     for r in results:
         row = dict(r)
         for build in BUILDS:
-            row[f"{build} ms"], row[f"{build} GB/s"] = r[build]["ms"], r[build]["gb_s"]
-        row["ratio_text"] = f"{r['ratio']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+            b = r[build]
+            row[build] = f"{b['ms']:.1f} ms, {b['gb_s']:.1f} GB/s"
+            if build != ENGINE:
+                row[build] += f", {b['vs_engine']:.2f}x ({b['vs_engine_min']:.2f}-{b['vs_engine_max']:.2f})"
         rows.append(row)
-    columns += [(f"{b} {unit}", f"{b} {unit}", ".1f") for b in BUILDS for unit in ("ms", "GB/s")]
-    columns.append(("ratio_text", "L1 / L2 time (range over rounds)", ""))
+    columns += [(b, b, "") for b in BUILDS]
     body = (f"`python {' '.join(sys.argv)}`\n\n"
             f"Decode-only steps of SmolLM2-135M's attention ({geo['layers']} layers, {geo['heads']} query heads, "
             f"{geo['kv_heads']} KV heads, head dim {geo['head_dim']}): {args.rows} rows of one context length, "
             f"blocks of {BLOCK} tokens shuffled over the cache, all layers in one `lax.scan`. Median over "
             f"{args.rounds} rounds (builds alternating) of the best of {args.repeats} calls; GB/s: the KV "
-            "bytes the step reads per second.\n\n" + table(rows, columns) + "\n\n"
+            "bytes the step reads per second; for the other builds, their time over the engine build's "
+            "(median of the rounds, range).\n\n" + table(rows, columns) + "\n\n"
             f"![decode attention]({args.out_name}.png)\n")
-    write_report(args.out_name, "Decode attention: prefetching into L2 or L1", body,
+    write_report(args.out_name, "Decode attention: how the native kernel prefetches", body,
                  dict(geometry=geo, results=results), out)
 
 

@@ -23,7 +23,7 @@
 // first), then the decode rows.
 //
 // Decode rows: along the block table in chunks of kChunk keys (the next chunk prefetched
-// into L2 meanwhile), with an online softmax per head: each context slot's K and V rows come from
+// into L2 meanwhile; over the last, the first chunk of the item the thread claimed next), with an online softmax per head: each context slot's K and V rows come from
 // memory once (a KV head's G query heads reuse them from the CPU caches). Values are handled
 // 32 at a time ("pairs" of vectors): float32 as two consecutive vectors; bfloat16 as one
 // 64-byte load split into its even and odd elements by a shift and a mask (exact), q and the
@@ -233,6 +233,11 @@ void RowPointers(const T* x, const int64_t* keys, int64_t n, int64_t h0, int64_t
 #ifndef LLMJAX_PREFETCH_LOCALITY
 #define LLMJAX_PREFETCH_LOCALITY 2
 #endif
+// Whether a decode row prefetches the first chunk of its thread's next item (1, the default);
+// experiments/decode_attention.py also builds the kernel without (0).
+#ifndef LLMJAX_PREFETCH_FOLLOWING
+#define LLMJAX_PREFETCH_FOLLOWING 1
+#endif
 
 // Prefetches bytes [offset, offset + bytes) of the slots keys[0, n) of x.
 template <typename T>
@@ -332,17 +337,26 @@ inline float SoftmaxStep(float* s, int64_t n, float& m, float& l) {
   return alpha;
 }
 
-// One decode row, KV heads [h0, h1): q_row [H, D] -> out_row [H, D] for query heads
-// [h0 * G, h1 * G). k, v: one layer [num_blocks, bs, Hkv, D]; table: the row's block ids.
-// kNp: D / 32 when known at compile time, else 0.
+// A decode work item's keys: a row's block ids and context length, and its KV heads [h0, h1).
+struct RowPart {
+  const int32_t* table = nullptr;  // nullptr: no item
+  int64_t context = 0, h0 = 0, h1 = 0;
+};
+
+// One decode row, KV heads [h0, h1) (`row`): q_row [H, D] -> out_row [H, D] for query heads
+// [h0 * G, h1 * G). k, v: one layer [num_blocks, bs, Hkv, D]. kNp: D / 32 when known at compile
+// time, else 0. Over its last chunk it prefetches the first chunk of `following`, the item its
+// thread runs next, if any.
 template <int64_t kNp, typename T>
-void AttendRow(const float* q_row, const T* k, const T* v, const int32_t* table,
-               int64_t context, int64_t h0, int64_t h1, float sm_scale, const Geometry& g,
-               Scratch<T>& sc, float* out_row) {
+void AttendRow(const float* q_row, const T* k, const T* v, const RowPart& row,
+               const RowPart& following, float sm_scale, const Geometry& g, Scratch<T>& sc,
+               float* out_row) {
+  const int32_t* table = row.table;
+  const int64_t context = row.context, h0 = row.h0, h1 = row.h1;
   const int64_t d = g.head_dim, np = d / kPair, gs = g.group, nh = h1 - h0;
   const int64_t heads = nh * gs, first = h0 * gs;
   const int64_t slot = g.kv_heads * d;  // elements per cache slot
-  const int64_t span = nh * d * static_cast<int64_t>(sizeof(T));  // bytes read per slot
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));  // bytes of one KV head per slot
   sc.Reset(heads, nh, d);
   for (int64_t h = 0; h < heads; ++h) {
     ToPairOrder(q_row + (first + h) * d, d, sc.q.data() + h * d, k);
@@ -352,16 +366,23 @@ void AttendRow(const float* q_row, const T* k, const T* v, const int32_t* table,
   ChunkSlots(table, 0, std::min(kChunk, context), g, slot, sc.keys.data());
   for (int64_t c0 = 0; c0 < context; c0 += kChunk) {
     const int64_t n = std::min(kChunk, context - c0);
-    const int64_t n_next = std::min(kChunk, context - c0 - n);
+    // The next chunk (this row's, else the following item's first) is elsewhere in memory:
+    // fetch it meanwhile, spread over this chunk's work rather than in one burst.
     const int64_t* keys = sc.keys.data();
-    ChunkSlots(table, c0 + n, n_next, g, slot, sc.next.data());
+    int64_t n_next = std::min(kChunk, context - c0 - n), heads_from = h0, heads_to = h1;
+    if (n_next > 0) {
+      ChunkSlots(table, c0 + n, n_next, g, slot, sc.next.data());
+    } else if (LLMJAX_PREFETCH_FOLLOWING && following.table) {
+      n_next = std::min(kChunk, following.context);
+      heads_from = following.h0, heads_to = following.h1;
+      ChunkSlots(following.table, 0, n_next, g, slot, sc.next.data());
+    }
     RowPointers(k, keys, n, h0, h1, d, rows);
     for (int64_t h = 0; h < heads; ++h) {
-      // The next chunk's blocks are elsewhere in memory: fetch them meanwhile, spread over
-      // this chunk's work rather than in one burst.
       const int64_t lo = h * n_next / heads, hi = (h + 1) * n_next / heads;
-      Prefetch(k, sc.next.data() + lo, hi - lo, h0 * d, span);
-      Prefetch(v, sc.next.data() + lo, hi - lo, h0 * d, span);
+      const int64_t offset = heads_from * d, span = (heads_to - heads_from) * bytes;
+      Prefetch(k, sc.next.data() + lo, hi - lo, offset, span);
+      Prefetch(v, sc.next.data() + lo, hi - lo, offset, span);
       Scores<kNp>(sc.q.data() + h * d, rows + (h / gs) * kChunk, n, np, sc.s.data() + h * kChunk);
     }
     for (int64_t h = 0; h < heads; ++h) {
@@ -559,7 +580,13 @@ void Run(ffi::ThreadPool& pool, const float* q, const T* k, const T* v,
   // Few rows: split each row's KV heads too, so every thread gets work.
   const int64_t splits =
       num_rows ? std::clamp<int64_t>((2 * workers + num_rows - 1) / num_rows, 1, g.kv_heads) : 1;
-  const auto run = [&, splits, tile_items](int64_t item, int64_t /*following*/) {
+  // Decode item i (counted after the tiles): row rows[i / splits], KV heads part i % splits.
+  const auto row_part = [&, splits](int64_t i) {
+    const int64_t r = rows[i / splits], part = i % splits;
+    return RowPart{tables + r * g.max_blocks, seq_lens[r], g.kv_heads * part / splits,
+                   g.kv_heads * (part + 1) / splits};
+  };
+  const auto run = [&, tile_items](int64_t item, int64_t following) {
     if (item < tile_items) {
       thread_local TileScratch scratch;
       const Tile& t = tiles[item / g.kv_heads];
@@ -568,17 +595,16 @@ void Run(ffi::ThreadPool& pool, const float* q, const T* k, const T* v,
       return;
     }
     thread_local Scratch<T> scratch;
-    item -= tile_items;
-    const int64_t i = rows[item / splits], part = item % splits;
-    const int64_t h0 = g.kv_heads * part / splits, h1 = g.kv_heads * (part + 1) / splits;
-    const int64_t row_elems = num_heads * g.head_dim;
+    const int64_t i = rows[(item - tile_items) / splits], row_elems = num_heads * g.head_dim;
     const auto attend = g.head_dim == 64    ? AttendRow<2, T>
                         : g.head_dim == 128 ? AttendRow<4, T>
                                             : AttendRow<0, T>;
-    attend(q + qsl[i] * row_elems, k, v, tables + i * g.max_blocks, seq_lens[i], h0, h1,
-           sm_scale, g, scratch, out + qsl[i] * row_elems);
+    attend(q + qsl[i] * row_elems, k, v, row_part(item - tile_items),
+           following >= tile_items ? row_part(following - tile_items) : RowPart{}, sm_scale, g,
+           scratch, out + qsl[i] * row_elems);
   };
-  llmjax::RunItems(pool, tile_items + num_rows * splits, run);
+  // Each thread claims its next item ahead, so that a decode row can prefetch for it.
+  llmjax::RunItems(pool, tile_items + num_rows * splits, run, /*claim_ahead=*/true);
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, F32R3 q, ffi::AnyBuffer k_cache,
