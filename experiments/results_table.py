@@ -185,6 +185,17 @@ def packed_matmul(d: dict, n: Numbers) -> str:
             f"{n(ratio['decode'], '.2f')}x the decode tokens/s, {n(ratio['prefill'], '.2f')}x the prefill tokens/s")
 
 
+def decode_attention(d: dict, n: Numbers) -> str:
+    def slower(build: str) -> str:
+        return n.span([r[build]["vs_engine"] for r in d["results"]], ".2f")
+
+    engine = [r["engine build"]["gb_s"] for r in d["results"]]
+    return (f"the native kernel's decode rows on SmolLM2's geometry ({n(d['results'][0]['rows'], 'd')} rows, "
+            f"{n.join(sorted({r['context'] for r in d['results']}), 'd')} keys): {n.span(engine, '.1f')} GB/s of KV "
+            f"read; prefetching into the first-level cache instead is {slower('L1 prefetch')}x slower, without the next row's "
+            f"prefetch {slower('no next-row prefetch')}x")
+
+
 def kernel_bench(d: dict, n: Numbers) -> str:
     return (f"measured peaks: matmul {n(d['peak_flops'], '.1f', 1e-12)} TFLOP/s, copy {n(d['peak_bw'], '.0f', 1e-9)} "
             f"GB/s; {n(len(d['rows']), 'd')} kernel shapes timed")
@@ -313,6 +324,7 @@ ROWS: list[tuple[str, str, Formatter]] = [
     ("[offline_throughput, equal prompts, with llama.cpp](results/offline_throughput_equal_peers_epyc.md) (no AMX)",
      "results/offline_throughput_equal_peers_epyc.json", offline_throughput),
     ("[packed_matmul](results/packed_matmul_epyc.md) (AVX512-BF16)", "results/packed_matmul_epyc.json", packed_matmul),
+    ("[decode_attention](results/decode_attention.md)", "results/decode_attention.json", decode_attention),
     ("[memory_waste](results/memory_waste.md) (PagedAttention Fig. 2, simulator)", "results/memory_waste.json",
      memory_waste),
     ("[radix_hit_rate](results/radix_hit_rate.md) (RadixAttention)", "results/radix_hit_rate.json", radix_hit_rate),

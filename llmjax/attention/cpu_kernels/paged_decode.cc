@@ -19,8 +19,8 @@
 // index >= T are dropped. The cache is read in place; slots past a context are never read.
 // Math is float32 in 16-lane vectors (GNU vector extensions: AVX-512 registers with
 // -march=native on x86, narrower ones elsewhere). Work items, run by the calling thread and
-// XLA's intra-op thread pool off one atomic counter: the prefill tiles (longest context
-// first), then the decode rows.
+// XLA's intra-op thread pool off one atomic counter, each thread claiming its next item ahead:
+// the prefill tiles (longest context first), then the decode rows.
 //
 // Decode rows: along the block table in chunks of kChunk keys (the next chunk prefetched
 // into L2 meanwhile; over the last, the first chunk of the item the thread claimed next), with an online softmax per head: each context slot's K and V rows come from
