@@ -9,8 +9,10 @@ metadata: layers, query and KV heads, head dim): `--rows` requests of one contex
 blocks (16 tokens) shuffled across a cache of exactly the blocks they use, all layers called in a
 `lax.scan` as the model does. The builds alternate over `--rounds` rounds (each round the best
 of `--repeats` calls per build); the table gives medians of milliseconds per step, the KV bytes
-read per second, and each other build's time over the engine build's (median and range of the
-per-round ratios). The KV cache is float32 or bfloat16 (`--dtypes`).
+read per second (and as a share of the machine's read bandwidth, measured as
+`offline_throughput.py` does: torch summing 1 GiB on all cores), and each other build's time over
+the engine build's (median and range of the per-round ratios). The KV cache is float32 or
+bfloat16 (`--dtypes`).
 
 Writes results/<--out-name>.md, .json and .png (default `decode_attention`).
 
@@ -31,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import alternating, table, write_report  # noqa: E402
+from offline_throughput import memory_bandwidth  # noqa: E402
 
 from llmjax.cpu_flags import apply_cpu_flags  # noqa: E402
 from llmjax.provenance import results_dir  # noqa: E402
@@ -184,7 +187,12 @@ def main() -> None:
 
     targets = load_builds()
     geo = geometry()
+    print("measuring the memory bandwidth", flush=True)
+    bandwidth = memory_bandwidth()
     results = measure(geo, targets, args.rows, contexts, dtypes, args.rounds, args.repeats)
+    for r in results:
+        for build in BUILDS:
+            r[build]["bandwidth_share"] = r[build]["gb_s"] * 1e9 / bandwidth
     out = results_dir(args.quick)
     plot(results, out / f"{args.out_name}.png")
     columns = [("dtype", "KV cache", ""), ("context", "keys per row", ""), ("kv_mb", "KV MB per step", ".0f")]
@@ -193,7 +201,7 @@ def main() -> None:
         row = dict(r)
         for build in BUILDS:
             b = r[build]
-            row[build] = f"{b['ms']:.1f} ms, {b['gb_s']:.1f} GB/s"
+            row[build] = f"{b['ms']:.1f} ms, {b['gb_s']:.1f} GB/s ({b['bandwidth_share']:.0%})"
             if build != ENGINE:
                 row[build] += f", {b['vs_engine']:.2f}x ({b['vs_engine_min']:.2f}-{b['vs_engine_max']:.2f})"
         rows.append(row)
@@ -203,11 +211,13 @@ def main() -> None:
             f"{geo['kv_heads']} KV heads, head dim {geo['head_dim']}): {args.rows} rows of one context length, "
             f"blocks of {BLOCK} tokens shuffled over the cache, all layers in one `lax.scan`. Median over "
             f"{args.rounds} rounds (builds alternating) of the best of {args.repeats} calls; GB/s: the KV "
-            "bytes the step reads per second; for the other builds, their time over the engine build's "
-            "(median of the rounds, range).\n\n" + table(rows, columns) + "\n\n"
+            "bytes the step reads per second (in parentheses: of the machine's read bandwidth, "
+            f"{bandwidth / 1e9:.1f} GB/s, torch summing 1 GiB of float32 on all cores, best of 7); for the "
+            "other builds, their time over the engine build's (median of the rounds, range).\n\n"
+            + table(rows, columns) + "\n\n"
             f"![decode attention]({args.out_name}.png)\n")
     write_report(args.out_name, "Decode attention: how the native kernel prefetches", body,
-                 dict(geometry=geo, results=results), out)
+                 dict(geometry=geo, memory_bandwidth=bandwidth, results=results), out)
 
 
 if __name__ == "__main__":
