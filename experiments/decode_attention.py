@@ -9,9 +9,10 @@ metadata: layers, query and KV heads, head dim): `--rows` requests of one contex
 blocks (16 tokens) shuffled across a cache of exactly the blocks they use, all layers called in a
 `lax.scan` as the model does. The builds alternate over `--rounds` rounds (each round the best
 of `--repeats` calls per build); the table gives medians of milliseconds per step, the KV bytes
-read per second (and as a share of the machine's read bandwidth, measured as
-`offline_throughput.py` does: torch summing 1 GiB on all cores), and each other build's time over
-the engine build's (median and range of the per-round ratios). The KV cache is float32 or
+read per second (and as a share of the machine's read bandwidth, measured in every round, as
+`offline_throughput.py` does it: torch summing 1 GiB on all cores; on a shared machine it moves
+from run to run), and each other build's time over the engine build's (median and range of the
+per-round ratios). The KV cache is float32 or
 bfloat16 (`--dtypes`).
 
 Writes results/<--out-name>.md, .json and .png (default `decode_attention`).
@@ -131,15 +132,21 @@ def measure(geo: dict, targets: dict[str, str], rows: int, contexts: list[int], 
             print(f"{dtype} cache, {rows} rows at {context} keys: compiling each build", flush=True)
             calls, kv_bytes = step_functions(geo, targets, rows, context, dtype)
             times: dict[str, list[float]] = {b: [0.0] * rounds for b in BUILDS}
+            bandwidths = [0.0] * rounds
             for round_, build in alternating(BUILDS, rounds):
+                if not bandwidths[round_]:  # the round's first build: its bandwidth first
+                    bandwidths[round_] = memory_bandwidth(3)
                 times[build][round_] = best_time(calls[build], repeats)
-            row = dict(dtype=dtype, context=context, rows=rows, kv_mb=kv_bytes / 1e6)
+            row = dict(dtype=dtype, context=context, rows=rows, kv_mb=kv_bytes / 1e6,
+                       bandwidth_gb_s=[b / 1e9 for b in bandwidths])
             for build in BUILDS:
                 ms = 1e3 * statistics.median(times[build])
                 ratios = [times[build][r] / times[ENGINE][r] for r in range(rounds)]
                 row[build] = dict(ms=ms, gb_s=kv_bytes / ms / 1e6, ms_per_round=[1e3 * t for t in times[build]],
                                   vs_engine=statistics.median(ratios), vs_engine_min=min(ratios),
-                                  vs_engine_max=max(ratios))
+                                  vs_engine_max=max(ratios),
+                                  bandwidth_share=statistics.median(
+                                      kv_bytes / t / bw for t, bw in zip(times[build], bandwidths)))
             print("  " + ", ".join(f"{b} {row[b]['ms']:.1f} ms ({row[b]['vs_engine']:.2f}x)" for b in BUILDS),
                   flush=True)
             results.append(row)
@@ -187,18 +194,14 @@ def main() -> None:
 
     targets = load_builds()
     geo = geometry()
-    print("measuring the memory bandwidth", flush=True)
-    bandwidth = memory_bandwidth()
     results = measure(geo, targets, args.rows, contexts, dtypes, args.rounds, args.repeats)
-    for r in results:
-        for build in BUILDS:
-            r[build]["bandwidth_share"] = r[build]["gb_s"] * 1e9 / bandwidth
     out = results_dir(args.quick)
     plot(results, out / f"{args.out_name}.png")
-    columns = [("dtype", "KV cache", ""), ("context", "keys per row", ""), ("kv_mb", "KV MB per step", ".0f")]
+    columns = [("dtype", "KV cache", ""), ("context", "keys per row", ""), ("kv_mb", "KV MB per step", ".0f"),
+               ("bandwidth", "read bandwidth GB/s", "")]
     rows = []
     for r in results:
-        row = dict(r)
+        row = dict(r, bandwidth=f"{min(r['bandwidth_gb_s']):.1f}-{max(r['bandwidth_gb_s']):.1f}")
         for build in BUILDS:
             b = r[build]
             row[build] = f"{b['ms']:.1f} ms, {b['gb_s']:.1f} GB/s ({b['bandwidth_share']:.0%})"
@@ -211,13 +214,14 @@ def main() -> None:
             f"{geo['kv_heads']} KV heads, head dim {geo['head_dim']}): {args.rows} rows of one context length, "
             f"blocks of {BLOCK} tokens shuffled over the cache, all layers in one `lax.scan`. Median over "
             f"{args.rounds} rounds (builds alternating) of the best of {args.repeats} calls; GB/s: the KV "
-            "bytes the step reads per second (in parentheses: of the machine's read bandwidth, "
-            f"{bandwidth / 1e9:.1f} GB/s, torch summing 1 GiB of float32 on all cores, best of 7); for the "
+            "bytes the step reads per second (in parentheses: the median over rounds of its share of the "
+            "machine's read bandwidth measured in the same round, torch summing 1 GiB of float32 on all cores, "
+            "best of 3; the bandwidth column gives the range of those measurements); for the "
             "other builds, their time over the engine build's (median of the rounds, range).\n\n"
             + table(rows, columns) + "\n\n"
             f"![decode attention]({args.out_name}.png)\n")
     write_report(args.out_name, "Decode attention: how the native kernel prefetches", body,
-                 dict(geometry=geo, memory_bandwidth=bandwidth, results=results), out)
+                 dict(geometry=geo, results=results), out)
 
 
 if __name__ == "__main__":

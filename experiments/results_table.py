@@ -192,8 +192,8 @@ def decode_attention(d: dict, n: Numbers) -> str:
     engine = [r["engine build"]["gb_s"] for r in d["results"]]
     return (f"the native kernel's decode rows on SmolLM2's geometry ({n(d['results'][0]['rows'], 'd')} rows, "
             f"{n.join(sorted({r['context'] for r in d['results']}), 'd')} keys): {n.span(engine, '.1f')} GB/s of KV "
-            f"read ({n.span([r['engine build']['bandwidth_share'] for r in d['results']], '.0%')} of the measured "
-            f"read bandwidth, {n(d['memory_bandwidth'], '.1f', 1e-9)} GB/s); prefetching into the first-level cache instead is {slower('L1 prefetch')}x slower, without the next row's "
+            f"read ({n.span([r['engine build']['bandwidth_share'] for r in d['results']], '.0%')} of the read "
+            f"bandwidth measured beside it); prefetching into the first-level cache instead is {slower('L1 prefetch')}x slower, without the next row's "
             f"prefetch {slower('no next-row prefetch')}x")
 
 
