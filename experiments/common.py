@@ -361,6 +361,18 @@ def parse_stream_args(ap: argparse.ArgumentParser, quick: dict) -> argparse.Name
     return args
 
 
+def best_time(call, repeats: int, warm_up: bool = False) -> float:
+    """The shortest of `repeats` timed calls of `call` (seconds; after one untimed call if `warm_up`)."""
+    if warm_up:
+        call()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def alternating(items: list | tuple, rounds: int) -> Iterator[tuple[int, object]]:
     """(round, item) for every item of every round: in order in even rounds, reversed in odd ones, so
     that a drift of the shared machine falls on every item alike."""

@@ -26,14 +26,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import alternating, table, write_report  # noqa: E402
+from common import alternating, best_time, table, write_report  # noqa: E402
 from offline_throughput import memory_bandwidth  # noqa: E402
 
 from llmjax.cpu_flags import apply_cpu_flags  # noqa: E402
@@ -113,15 +112,6 @@ def step_functions(geo: dict, targets: dict[str, str], rows: int, context: int, 
     item_bytes = 2 if dtype == "bfloat16" else 4
     kv_bytes = 2 * geo["layers"] * rows * context * geo["kv_heads"] * geo["head_dim"] * item_bytes
     return {build: step(target) for build, target in targets.items()}, kv_bytes
-
-
-def best_time(call, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def measure(geo: dict, targets: dict[str, str], rows: int, contexts: list[int], dtypes: list[str], rounds: int,

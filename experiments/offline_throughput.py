@@ -57,6 +57,9 @@ apply_cpu_flags()  # before anything starts JAX's backend
 
 from llmjax.provenance import results_dir, write_results  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "experiments"))
+from common import best_time  # noqa: E402
+
 VOCAB = 49152
 DEFAULT_BEST = "dtype=bfloat16,max_num_seqs=128,max_num_batched_tokens=512"
 
@@ -93,16 +96,6 @@ def matmul_shapes(cfg) -> list[tuple[int, int, int]]:
             (h, cfg.intermediate_size, 2 * layers), (cfg.intermediate_size, h, layers), (h, cfg.vocab_size, 1)]
 
 
-def _best_time(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def matmul_peak(cfg, library: str, dtype: str, rows: int, repeats: int = 7) -> float:
     """FLOP/s of the model's matmul mix at `rows` tokens (FLOP-weighted: total FLOPs / total best time).
 
@@ -123,13 +116,13 @@ def matmul_peak(cfg, library: str, dtype: str, rows: int, repeats: int = 7) -> f
 
                 b = jnp.asarray(pack_weight(np.asarray(b)))
                 f = jax.jit(lambda x, y, n=n: packed_matmul(x, y, n))
-            best = _best_time(lambda: f(a, b).block_until_ready(), repeats)
+            best = best_time(lambda: f(a, b).block_until_ready(), repeats, warm_up=True)
         else:
             import torch
 
             dt = getattr(torch, dtype)
             a, b = torch.ones(rows, k, dtype=dt), torch.full((k, n), 0.01, dtype=dt)
-            best = _best_time(lambda: a @ b, repeats)
+            best = best_time(lambda: a @ b, repeats, warm_up=True)
         flops += 2 * rows * k * n * count
         seconds += best * count
     return flops / seconds
@@ -141,7 +134,7 @@ def memory_bandwidth(repeats: int = 7) -> float:
     import torch
 
     x = torch.ones(1 << 28, dtype=torch.float32)
-    return x.numel() * x.element_size() / _best_time(lambda: float(x.sum()), repeats)
+    return x.numel() * x.element_size() / best_time(lambda: float(x.sum()), repeats, warm_up=True)
 
 
 def decode_floor(step: dict, bandwidth: float, peak: float) -> float:
@@ -205,7 +198,7 @@ class LLMJaxRun:
         def run():
             jax.block_until_ready(runner.run(inputs, True))
 
-        seconds = _best_time(run, repeats)
+        seconds = best_time(run, repeats, warm_up=True)
         prompts = [[0] * (int(c) - 1) for c in contexts]  # the step's work: one new token at each context
         work = model_flops(cfg, prompts, [1] * 64) - model_flops(cfg, prompts, [0] * 64)
         weights = sum(k * n * count for k, n, count in matmul_shapes(cfg))

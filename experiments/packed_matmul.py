@@ -38,6 +38,8 @@ from llmjax.provenance import results_dir, write_results  # noqa: E402
 
 apply_cpu_flags()  # the engine's XLA flags, before JAX starts its backend
 
+from common import best_time  # noqa: E402
+
 ROWS = (64, 512)
 
 
@@ -70,15 +72,6 @@ def matmul_functions(rows: int, k: int, n: int, kernels) -> dict:
         torch.from_numpy(np.asarray(w.astype(jnp.float32))).bfloat16()
     calls["torch"] = lambda: tx @ tw
     return calls
-
-
-def best_time(call, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def measure_matmuls(cfg, kernels, rounds: int, repeats: int) -> list[dict]:
