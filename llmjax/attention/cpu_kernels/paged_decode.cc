@@ -19,8 +19,9 @@
 // index >= T are dropped. The cache is read in place; slots past a context are never read.
 // Math is float32 in 16-lane vectors (GNU vector extensions: AVX-512 registers with
 // -march=native on x86, narrower ones elsewhere). Work items, run by the calling thread and
-// XLA's intra-op thread pool off one atomic counter, each thread claiming its next item ahead:
-// the prefill tiles (longest context first), then the decode rows.
+// XLA's intra-op thread pool off one atomic counter (with decode rows and at least two items a
+// thread, each thread claiming its next item ahead): the prefill tiles (longest context
+// first), then the decode rows.
 //
 // Decode rows: along the block table in chunks of kChunk keys (the next chunk prefetched
 // into L2 meanwhile; over the last, the first chunk of the item the thread claimed next), with an online softmax per head: each context slot's K and V rows come from
@@ -603,8 +604,11 @@ void Run(ffi::ThreadPool& pool, const float* q, const T* k, const T* v,
            following >= tile_items ? row_part(following - tile_items) : RowPart{}, sm_scale, g,
            scratch, out + qsl[i] * row_elems);
   };
-  // Each thread claims its next item ahead, so that a decode row can prefetch for it.
-  llmjax::RunItems(pool, tile_items + num_rows * splits, run, /*claim_ahead=*/true);
+  // With decode rows, each thread claims its next item ahead, so that a decode row can prefetch
+  // for it; not when there are fewer than two items a thread (a thread would hold one that
+  // another could run at once).
+  const int64_t items = tile_items + num_rows * splits;
+  llmjax::RunItems(pool, items, run, /*claim_ahead=*/num_rows > 0 && items >= 2 * workers);
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, F32R3 q, ffi::AnyBuffer k_cache,
