@@ -46,7 +46,7 @@ from llmjax.request import Request, RequestStatus
 from llmjax.runner import InFlight, ModelRunner, PromptLogprobs, StepResult, enable_compilation_cache
 from llmjax.sampling_params import RequestOutputKind, SamplingParams
 from llmjax.scheduler import Scheduler, SchedulerOutput
-from llmjax.tokenizer import CharTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
+from llmjax.tokenizer import CharTokenizer, IncrementalDetokenizer, TextTooLong, Tokenizer, load_tokenizer
 
 CPU_KV_BUDGET_BYTES = 1 << 30
 DELTA = RequestOutputKind.DELTA
@@ -86,6 +86,13 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+def prompt_too_long(exc: TextTooLong, max_model_len: int, param: str = "prompt") -> RequestError:
+    """The refusal of a prompt text that `encode(..., at_most=max_model_len)` found too long to encode."""
+    return RequestError(f"This model's maximum context length is {max_model_len} tokens. However, the prompt has "
+                        f"at least {exc.min_num_tokens} tokens ({exc.num_chars} characters). Please reduce the "
+                        "length of the prompt.", param)
 
 
 def _token_ids(prompt) -> list[int]:
@@ -250,7 +257,13 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         if text == "":
             raise RequestError("the prompt is empty", "prompt")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else _token_ids(prompt)
+        if text is None:
+            ids = _token_ids(prompt)
+        else:
+            try:
+                ids = self.tokenizer.encode(text, at_most=self.config.max_model_len)
+            except TextTooLong as exc:
+                raise prompt_too_long(exc, self.config.max_model_len) from None
         self._validate(ids, params)
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=self.config.max_model_len - len(ids))

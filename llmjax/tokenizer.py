@@ -69,13 +69,30 @@ class Tokenizer:
         self.chat_template: str | None = hf_tokenizer.chat_template
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         self._byte_level = isinstance(getattr(backend, "decoder", None), tokenizers.decoders.ByteLevel)
+        self._backend = backend
+        self._longest_entry = max(map(len, vocab))
 
     @property
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, at_most: int | None = None) -> list[int]:
+        """`at_most`: raise `TextTooLong` instead of encoding a text certainly longer than that many
+        tokens (see `min_num_tokens`)."""
+        if at_most is not None:
+            _check_length(self, text, at_most)
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on `len(encode(text))`, found without encoding it: a token spans at most as
+        many characters of the normalized text as its vocabulary entry has (byte-level BPE: an entry
+        character a byte; SentencePiece: `▁` for a space). 0 for a tokenizer without a `tokenizers`
+        backend, whose normalization is not known here (SentencePiece's own can drop characters)."""
+        if self._backend is None:
+            return 0
+        if self._backend.normalizer is not None:
+            text = self._backend.normalizer.normalize_str(text)
+        return -(-len(text) // self._longest_entry)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -104,10 +121,10 @@ class Tokenizer:
         )
 
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+                    add_special_tokens: bool = False, at_most: int | None = None) -> list[int]:
         """Token ids of the rendered chat prompt. The template writes its own special tokens;
         `add_special_tokens` adds the tokenizer's too (as HF's `apply_chat_template` then `encode`)."""
-        return self.encode(self.chat_prompt(messages, add_generation_prompt), add_special_tokens=add_special_tokens)
+        return self.encode(self.chat_prompt(messages, add_generation_prompt), add_special_tokens, at_most)
 
 
 class CharTokenizer:
@@ -124,12 +141,17 @@ class CharTokenizer:
     eos_token_ids = frozenset({2})
     chat_template = None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, at_most: int | None = None) -> list[int]:
+        if at_most is not None:
+            _check_length(self, text, at_most)
         ids = [self.OFFSET + (ord(c) - 32 if 32 <= ord(c) < 127 else ord("?") - 32) for c in text]
         return ([1] if add_special_tokens else []) + ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(map(self.token_to_text, ids))
+
+    def min_num_tokens(self, text: str) -> int:
+        return len(text)  # one token a character
 
     def token_to_text(self, token_id: int) -> str:
         return chr(32 + (token_id - self.OFFSET) % self.NUM_CHARS) if token_id >= self.OFFSET else ""
@@ -142,10 +164,24 @@ class CharTokenizer:
         return text + ("<assistant>" if add_generation_prompt else "")
 
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+                    add_special_tokens: bool = False, at_most: int | None = None) -> list[int]:
         """BOS (the chat format's own), then the rendered text; `add_special_tokens` adds the
         tokenizer's BOS before it, as `Tokenizer.encode_chat` does."""
-        return [1] + self.encode(self.chat_prompt(messages, add_generation_prompt), add_special_tokens)
+        return [1] + self.encode(self.chat_prompt(messages, add_generation_prompt), add_special_tokens, at_most)
+
+
+class TextTooLong(ValueError):
+    """A text certainly longer than the tokens it may have (`encode(..., at_most=)`); nothing was encoded."""
+
+    def __init__(self, num_chars: int, min_num_tokens: int, at_most: int):
+        super().__init__(f"the text has at least {min_num_tokens} tokens ({num_chars} characters), more than {at_most}")
+        self.num_chars, self.min_num_tokens = num_chars, min_num_tokens
+
+
+def _check_length(tokenizer: Tokenizer | CharTokenizer, text: str, at_most: int) -> None:
+    bound = tokenizer.min_num_tokens(text)
+    if bound > at_most:
+        raise TextTooLong(len(text), bound, at_most)
 
 
 def load_tokenizer(source: ModelSource, eos_token_ids: Sequence[int] = ()) -> Tokenizer | CharTokenizer:

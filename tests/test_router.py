@@ -108,7 +108,7 @@ def test_prefix_families_stick_to_one_replica(replicas):
         assert routed["llmjax:router_decisions_total"] == len(jobs) + 1
         hits = sum(metrics(u)["llmjax:prefix_cache_hits_total"] for u in urls)
         assert hits > 0
-        for path in ("/v1/models", "/health"):
+        for path in ("/v1/models", f"/v1/models/{MODEL}", "/health"):
             assert httpx.get(router + path, timeout=TIMEOUT).status_code == 200
         assert httpx.post(f"{router}/tokenize", json={"prompt": "abc"}, timeout=TIMEOUT).json()["count"] >= 3
 

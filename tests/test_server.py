@@ -70,6 +70,8 @@ def stream(client: httpx.Client, path: str, **body) -> list[dict]:
 def test_models_health_tokenize(client):
     [card] = client.get("/v1/models").json()["data"]
     assert (card["id"], card["root"], card["parent"], card["object"]) == (MODEL, MODEL, None, "model")
+    assert client.get(f"/v1/models/{MODEL}").json() == card
+    _assert_error(client.get("/v1/models/other"), 404, "model")
     assert client.get("/health").status_code == 200
     tokens = client.post("/tokenize", json={"prompt": "hello"}).json()
     assert tokens["count"] == len(tokens["tokens"]) == 6 and tokens["max_model_len"] == MAX_MODEL_LEN
@@ -505,6 +507,7 @@ STRICT_ERRORS = [
     ({"prompt": [[1, 2], "ab"]}, "prompt"),
     ({"prompt": {"text": "x"}}, "prompt"),
     ({"prompt": ["x"] * 1025}, "prompt"),
+    ({"stop": ["x"] * 65}, "stop"),  # every token is checked against each: a bound keeps one request cheap
 ]
 
 
@@ -765,6 +768,7 @@ def test_tokenize_flags(client):
     assert tokens(prompt="hi", add_special_tokens=False) == tokens(prompt="hi")[1:]
     _assert_error(client.post("/tokenize", json={"prompt": "hi", "add_generation_prompt": False}), 400,
                   "add_generation_prompt")
+    _assert_error(client.post("/tokenize", json={"messages": []}), 400, "messages")  # as chat completions refuse it
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     assert tokens(messages=[{"role": "user", "content": parts}]) == \
         tokens(messages=[{"role": "user", "content": "a\nb"}])  # text parts joined by newlines, as vLLM

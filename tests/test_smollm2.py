@@ -127,6 +127,24 @@ def test_token_bytes_concatenate_to_the_decoded_text(hf, ours):
             hf_tok.decode(seq, skip_special_tokens=False), seq
 
 
+def test_min_num_tokens_bounds_the_encoding_and_spares_encoding_a_text_beyond_the_limit(ours, monkeypatch):
+    """`min_num_tokens` never exceeds the real encoding's length, also on texts its longest
+    vocabulary entries cover (runs of spaces, `#`), special tokens and multi-byte characters; with
+    `at_most`, a text it puts beyond the limit is refused without being encoded."""
+    from llmjax.tokenizer import TextTooLong
+
+    _, tokenizer = ours
+    texts = [PROMPTS[0], "\n" + " " * 1000 + "x", "#" * 8000, "<|im_start|>" * 50, "日本語 🙂 ünï" * 40,
+             "ĊĠĠĠ" * 100, "a"]
+    for text in texts:
+        assert 0 < tokenizer.min_num_tokens(text) <= len(tokenizer.encode(text, add_special_tokens=False)), text
+    assert tokenizer.min_num_tokens("#" * 8000) * 2 > len(tokenizer.encode("#" * 8000))  # a bound, but not loose
+    monkeypatch.setattr(tokenizer.hf, "encode", lambda *a, **k: pytest.fail("encoded a text beyond the limit"))
+    with pytest.raises(TextTooLong) as refused:
+        tokenizer.encode("hello world " * 200_000, at_most=2048)
+    assert refused.value.min_num_tokens > 2048
+
+
 def test_incremental_detokenizer_handles_split_multibyte_characters(ours):
     _, tokenizer = ours
     assert isinstance(tokenizer, Tokenizer)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI): `build_app(engine, model_name, api_key, allowed_origins)`.
 
 Endpoints: `/v1/completions`, `/v1/chat/completions` (both with `stream`), `/v1/models`,
-`/health`, `/metrics`, `/tokenize`, `/detokenize`, `/debug/kv_invariants`.
+`/v1/models/{model}`, `/health`, `/metrics`, `/tokenize`, `/detokenize`, `/debug/kv_invariants`.
 
 - The app's lifespan starts and stops the `AsyncEngine` loop thread; handlers never touch the
   engine directly. Prompts are tokenized (and chat templates rendered) in worker threads
@@ -10,7 +10,8 @@ Endpoints: `/v1/completions`, `/v1/chat/completions` (both with `stream`), `/v1/
   (its detokenizers).
 - Errors are OpenAI error objects (`llmjax/serve/asgi.py`): 400 for schema errors (unknown
   fields included), malformed JSON, bad sampling values (`SamplingParamsError`) and prompts the
-  engine refuses (`RequestError`: empty, too long); 401 without the API key (when one is set);
+  engine refuses (`RequestError`: empty, too long; a text certainly beyond the context is refused
+  before it is tokenized, `Tokenizer.min_num_tokens`); 401 without the API key (when one is set);
   404 for an unknown model or route; 500 for an unexpected error; 503 when the engine loop is
   dead. A refused request leaves nothing queued, so it never affects other requests.
 - The app refuses to be built (`ConfigError`) when the KV pool cannot hold one `max_model_len`
@@ -43,13 +44,14 @@ from pydantic import BaseModel
 
 from llmjax.attention.cache_dtype import value_dtype
 from llmjax.config import ConfigError
-from llmjax.engine import LLMEngine, RequestError
+from llmjax.engine import LLMEngine, RequestError, prompt_too_long
 from llmjax.outputs import OutputAccumulator, RequestFailedError, RequestOutput
 from llmjax.sampling_params import SamplingParams, SamplingParamsError
 from llmjax.serve import protocol as p
 from llmjax.serve.asgi import RequireAPIKey, error_response, install_error_handlers, wait_for_disconnect
 from llmjax.serve.async_engine import AsyncEngine, EngineDeadError, OutputStream
 from llmjax.serve.metrics import ServerMetrics
+from llmjax.tokenizer import TextTooLong
 
 log = logging.getLogger(__name__)
 
@@ -132,17 +134,26 @@ class OpenAIServer:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     def _chat_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
-                  add_special_tokens: bool = False) -> list[int]:
-        """The rendered conversation's token ids (blocking: call it in a worker thread)."""
+                  add_special_tokens: bool = False, generation: bool = True) -> list[int]:
+        """The rendered conversation's token ids (blocking: call it in a worker thread). For a
+        `generation`, a conversation certainly beyond the context is refused before it is encoded
+        (`/tokenize` encodes any, as vLLM's does)."""
         try:
             return self.tokenizer.encode_chat([m.as_dict() for m in messages], add_generation_prompt,
-                                              add_special_tokens)
+                                              add_special_tokens, self.max_model_len if generation else None)
+        except TextTooLong as exc:
+            raise prompt_too_long(exc, self.max_model_len) from None
         except (ValueError, TemplateError) as exc:
             raise RequestError(str(exc), "messages") from exc
 
     def _token_ids(self, prompts: list[p.Prompt]) -> list[list[int]]:
-        """Each prompt's token ids, as the engine would encode it (blocking: call it in a worker thread)."""
-        return [self.tokenizer.encode(q) if isinstance(q, str) else q for q in prompts]
+        """Each prompt's token ids, as the engine would encode it (blocking: call it in a worker thread).
+        A text certainly beyond the context is refused before it is encoded."""
+        try:
+            return [self.tokenizer.encode(q, at_most=self.max_model_len) if isinstance(q, str) else q
+                    for q in prompts]
+        except TextTooLong as exc:
+            raise prompt_too_long(exc, self.max_model_len) from None
 
     def _prompt_text(self, prompt: p.Prompt) -> str:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
@@ -325,7 +336,14 @@ class OpenAIServer:
 
     # --- the rest ---------------------------------------------------------------------------------------
     async def models(self) -> p.ModelList:
-        return p.ModelList(data=[p.ModelCard(id=self.model_name, root=self.model_name, max_model_len=self.max_model_len)])
+        return p.ModelList(data=[self._model_card()])
+
+    async def model(self, model: str) -> p.ModelCard:
+        self._check_model(model)
+        return self._model_card()
+
+    def _model_card(self) -> p.ModelCard:
+        return p.ModelCard(id=self.model_name, root=self.model_name, max_model_len=self.max_model_len)
 
     async def health(self) -> Response:
         problem = self.async_engine.health()
@@ -349,7 +367,7 @@ class OpenAIServer:
         special = body.add_special_tokens
         if body.messages is not None:
             generation_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
-            tokens = await asyncio.to_thread(self._chat_ids, body.messages, generation_prompt, bool(special))
+            tokens = await asyncio.to_thread(self._chat_ids, body.messages, generation_prompt, bool(special), False)
         elif body.add_generation_prompt is not None:
             raise RequestError("add_generation_prompt applies to `messages` only", "add_generation_prompt")
         else:
@@ -382,6 +400,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         ("POST", "/v1/completions", server.completions),
         ("POST", "/v1/chat/completions", server.chat_completions),
         ("GET", "/v1/models", server.models),
+        ("GET", "/v1/models/{model:path}", server.model),
         ("GET", "/health", server.health),
         ("GET", "/debug/kv_invariants", server.kv_invariants),
         ("GET", "/metrics", server.metrics_text),

@@ -26,6 +26,7 @@ from llmjax.sampling_params import RequestOutputKind, SamplingParams, SamplingPa
 
 Prompt = str | list[int]
 MAX_PROMPTS = 1024  # prompts in one completion request (each becomes n engine requests)
+MAX_STOP_STRINGS = 64  # every new token of a request is checked against each of its stop strings
 
 
 def random_id(prefix: str) -> str:
@@ -104,6 +105,13 @@ class _SamplingRequest(StrictRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: Text | None = Field(default=None, min_length=1)
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stop_strings(cls, stop: str | list[str] | None):
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        return stop
 
     @property
     def include_usage(self) -> bool:
@@ -256,7 +264,7 @@ class TokenizeRequest(StrictRequest):
 
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
 

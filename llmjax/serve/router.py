@@ -8,7 +8,7 @@
   relayed all the same: the worker's own answer (a 400) reaches the client. The worker's response
   is relayed as it arrives, chunk by chunk (an SSE stream event by event), with its status code
   and content type; the header `x-llmjax-worker` names the worker.
-- `/v1/models`, `/tokenize`, `/detokenize`: relayed to the least-loaded healthy worker, and so are
+- `/v1/models`, `/v1/models/{model}`, `/tokenize`, `/detokenize`: relayed to the least-loaded healthy worker, and so are
   CORS preflights (`OPTIONS`) of every relayed path: the workers' `--allowed-origins` answers them,
   as it answers them without the router.
 - Failures: when a worker fails before the first byte of its response body (no connection, a
@@ -79,7 +79,8 @@ from llmjax.serve.protocol import error_body
 
 log = logging.getLogger(__name__)
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
-RELAYED_PATHS = (("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize"))
+RELAYED_PATHS = (("GET", "/v1/models"), ("GET", "/v1/models/{model:path}"), ("POST", "/tokenize"),
+                 ("POST", "/detokenize"))
 
 
 def request_text(body: Any, chat: bool) -> str:
@@ -501,8 +502,11 @@ def build_router_app(urls: list[str], policy: routing.RoutingPolicy, health_chec
 
 
 def _handler(router: Router, path: str, routed: bool):
+    """The route's handler; a path with parameters (`{model:path}`) is relayed as the client sent it."""
+    templated = "{" in path
+
     async def handle(request: Request) -> Response:
-        return await router.relay(request, path, routed)
+        return await router.relay(request, request.url.path if templated else path, routed)
     return handle
 
 
