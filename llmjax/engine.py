@@ -305,8 +305,6 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise RequestError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}",
                                "logit_bias")
-        if params.n > self.config.max_num_seqs:
-            raise RequestError(f"n ({params.n}) must be at most max_num_seqs ({self.config.max_num_seqs})", "n")
         max_len = self.config.max_model_len
         wanted = len(ids) + (params.max_tokens or 1)
         if len(ids) >= max_len or wanted > max_len:

@@ -209,6 +209,20 @@ def test_final_only_abort_returns_everything_generated_so_far():
     assert engine.kv.usage().used == 0
 
 
+@pytest.mark.parametrize("overrides", [{}, {"async_scheduling": True},
+                                       {"scheduling_policy": "static", "batch_size": 2}], ids=["sync", "async", "static"])
+def test_more_samples_than_batch_rows_queue_and_give_the_same_samples(overrides):
+    """`n` above `max_num_seqs` is served as vLLM serves it: the samples that find no row wait for one;
+    each sample is the one a roomy engine makes (its seed and index fix it)."""
+    params = SamplingParams(temperature=1.0, seed=3, n=5, max_tokens=8, ignore_eos=True)
+    prompts = PROMPTS[:2]
+    expected = run_to_completion(tiny_engine(), prompts, params)
+    engine = tiny_engine(max_num_seqs=2, **overrides)
+    got = run_to_completion(engine, prompts, params)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in expected]
+    assert engine.kv.usage().used == 0
+
+
 def test_abort_frees_every_block():
     engine = tiny_engine()
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
