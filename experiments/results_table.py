@@ -110,16 +110,16 @@ def radix_hit_rate(d: dict, n: Numbers) -> str:
     if d.get("engine"):
         e = d["engine"]
         hits = [m["hit_rate"] for w in e.values() for k, m in w.items() if k != "off"]
-        cpu = [w[k]["cpu_throughput"] / w["off"]["cpu_throughput"] for w in e.values() for k in ("fcfs", "lpm")]
-        lo = min(range(len(cpu)), key=cpu.__getitem__)
-        hi = max(range(len(cpu)), key=cpu.__getitem__)
-        pairs = [(w[k]["cpu_throughput"], w["off"]["cpu_throughput"]) for w in e.values() for k in ("fcfs", "lpm")]
+        speedups = [w[k]["cpu_speedup"] for w in e.values() for k in ("fcfs", "lpm")]
         parts.append(f"real engine on SmolLM2 ({', '.join(w.split(' (')[0] for w in e)}): {n.span(hits, '.0f', 100)} % prefix hit rate "
                      f"(paper {n(d['paper']['hit_rate_min'], '.0f', 100)}-{n(d['paper']['hit_rate_max'], '.0f', 100)} "
-                     f"%), {n.ratio(*pairs[lo])}-{n.ratio(*pairs[hi])}x the requests per CPU second of caching off")
+                     f"%), {n.span(speedups, '.2f')}x the requests per CPU second of caching off (medians over "
+                     f"{n(d['args']['repeats'], 'd')} repeats)")
     s = d["scale"]["summary"]
-    parts.append(f"simulator, few-shot at the smallest pool ({n(s['pool_tokens'], 'd')} tokens): LPM "
-                 f"{n(s['lpm_hit_rate'], '.0f', 100)} % hits, FCFS {n(s['fcfs_hit_rate'], '.0f', 100)} %; "
+    parts.append(f"simulator, few-shot at the smallest pool ({n(s['pool_tokens'], 'd')} tokens, requests queueing: "
+                 f"mean TTFT {n(s['lpm_ttft'], '.0f')} s with LPM, {n(s['fcfs_ttft'], '.0f')} s with FCFS): LPM "
+                 f"{n(s['lpm_hit_rate'], '.0f', 100)} % hits, FCFS {n(s['fcfs_hit_rate'], '.0f', 100)} %; over all "
+                 f"pools LPM {n.span(s['lpm_hit_rates'], '.0f', 100)} %; "
                  f"preemptions counted: a re-admitted request is not a new query")
     return "; ".join(parts)
 
@@ -136,10 +136,13 @@ def sharing(d: dict, n: Numbers) -> str:
     for dataset, methods in d["sim"].items():
         for method, r in methods.items():
             lo, hi = r["paper_saving"]
+            ceiling = f", the most any beams can save {n.span(d['beam_ceiling'][dataset], '.1f', 100)} %" \
+                if method == "beam search" else ""
             parts.append(f"{dataset} {method} {n.span(r['savings'], '.1f', 100)} % (paper "
-                         f"{n(lo, '.1f', 100)}-{n(hi, '.1f', 100)} %)")
+                         f"{n(lo, '.1f', 100)}-{n(hi, '.1f', 100)} %{ceiling})")
     widths = next(iter(next(iter(d["sim"].values())).values()))["widths"]
-    head = f"KV blocks saved by sharing at {n.span(widths, 'd')} sequences per request (simulator): " + "; ".join(parts)
+    head = (f"KV blocks saved by sharing at {n.span(widths, 'd')} sequences per request (simulator; beam search with "
+            "random beam ancestry, close to the most any beams can save): " + "; ".join(parts))
     if "engine" not in d:
         return head + "; the real engine's parallel sampling not measured yet"
     e = d["engine"]

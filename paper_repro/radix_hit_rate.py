@@ -12,10 +12,11 @@ Two parts, one run:
 2. The simulator at GPU scale (OPT-13B / A100 cost model, thousands of requests): hit rate and
    throughput against the KV pool size, FCFS vs LPM, to show eviction under memory pressure.
 
-The paper reports 50-99% hit rates on its benchmarks and up to 6.4x throughput over systems
-without prefix reuse. Writes results/radix_hit_rate.{md,json,png}.
+The paper reports 50-99% hit rates on its benchmarks, and up to 6.4x the throughput of state-of-the-art
+inference systems for SGLang as a whole (RadixAttention with its other optimizations, such as compressed
+finite-state machines for constrained decoding). Writes results/radix_hit_rate.{md,json,png}.
 
-Usage: python -m paper_repro.radix_hit_rate              (5-7 minutes on 2 busy cores)
+Usage: python -m paper_repro.radix_hit_rate              (about 15 minutes on 2 busy cores)
        python -m paper_repro.radix_hit_rate --skip-engine   (the simulator part only)
        python -m paper_repro.radix_hit_rate --quick         (smoke run into build/results-quick/)
 """
@@ -160,19 +161,40 @@ def load(model_name: str | None):
     return model, load_tokenizer(model.source, model.config.eos_token_ids)
 
 
-def engine_part(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
+def engine_part(args: argparse.Namespace) -> dict[str, dict[str, dict]]:
+    """Per workload and mode: `args.repeats` runs, each on a fresh engine (an empty cache), the three
+    modes of a repeat back to back in a rotating order. A mode's entry holds the median of its runs'
+    measures (hit rate and preemptions are the same in every run: the schedule does not depend on
+    time), the runs' requests per CPU second (`cpu_throughput_runs`), and for the caching modes the
+    speedup over caching off paired by repeat (`cpu_speedup_runs`: this run's requests per CPU second
+    over the same repeat's run with caching off) and their median (`cpu_speedup`)."""
     model, tokenizer = load(args.model)
     base = EngineConfig(max_num_batched_tokens=256, max_num_seqs=8, block_size=16, max_model_len=1024,
                         kv_cache_memory_bytes=args.engine_kv_mib << 20)
-    results: dict[str, dict[str, dict[str, float]]] = {}
     workloads = engine_workloads(model.config.vocab_size, args.seed)
-    with tqdm(total=len(workloads) * len(MODES), desc="engine runs", unit="run") as bar:
-        for workload in workloads:
-            results[workload.name] = {}
-            for mode, overrides in MODES.items():
-                engine = LLMEngine(model, tokenizer, base.replace(**overrides))
-                results[workload.name][mode] = measure(engine, workload, args.max_tokens)
-                bar.update(1)
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {w.name: {m: [] for m in MODES} for w in workloads}
+    modes = list(MODES)
+    with tqdm(total=args.repeats * len(workloads) * len(MODES), desc="engine runs", unit="run") as bar:
+        for repeat in range(args.repeats):
+            for workload in workloads:
+                for mode in modes[repeat % len(modes):] + modes[: repeat % len(modes)]:
+                    engine = LLMEngine(model, tokenizer, base.replace(**MODES[mode]))
+                    runs[workload.name][mode].append(measure(engine, workload, args.max_tokens))
+                    bar.update(1)
+    results: dict[str, dict[str, dict]] = {}
+    for name, by_mode in runs.items():
+        results[name] = {}
+        for mode, measured in by_mode.items():
+            if len({(m["hit_rate"], m["preemptions"]) for m in measured}) != 1:
+                raise RuntimeError(f"{name}, {mode}: runs scheduled differently: {measured}")
+            entry = {key: float(np.median([m[key] for m in measured])) for key in measured[0]}
+            entry.update(hit_rate=measured[0]["hit_rate"], preemptions=measured[0]["preemptions"],
+                         cpu_throughput_runs=[m["cpu_throughput"] for m in measured])
+            if mode != "off":
+                entry["cpu_speedup_runs"] = [m["cpu_throughput"] / o["cpu_throughput"]
+                                             for m, o in zip(measured, by_mode["off"])]
+                entry["cpu_speedup"] = float(np.median(entry["cpu_speedup_runs"]))
+            results[name][mode] = entry
     return results
 
 
@@ -248,18 +270,18 @@ def scale_part(args: argparse.Namespace) -> dict[str, dict[str, list[dict[str, f
 
 
 # --- report -----------------------------------------------------------------------------------------
-def engine_table(results: dict[str, dict[str, dict[str, float]]]) -> list[str]:
+def engine_table(results: dict[str, dict[str, dict]]) -> list[str]:
     lines = ["| workload | requests | prompt tokens | hit rate off / FCFS / LPM | req/s off / FCFS / LPM "
-             "| speedup FCFS / LPM: wall, CPU time | mean TTFT (s) off / FCFS / LPM | preemptions |",
-             "| --- |" + " --- |" * 7]
+             "| speedup per CPU second, FCFS / LPM (range over repeats) | mean TTFT (s) off / FCFS / LPM "
+             "| preemptions |", "| --- |" + " --- |" * 7]
     for name, r in results.items():
         off = r["off"]
         lines.append(
-            f"| {name} | {off['requests']} | {off['prompt_tokens']} | "
+            f"| {name} | {off['requests']:.0f} | {off['prompt_tokens']:.0f} | "
             + " / ".join(f"{100 * r[m]['hit_rate']:.0f}%" for m in MODES) + " | "
             + " / ".join(f"{r[m]['throughput']:.2f}" for m in MODES) + " | "
-            + " / ".join(f"{r[m]['throughput'] / off['throughput']:.2f}x" for m in ("fcfs", "lpm")) + ", "
-            + " / ".join(f"{r[m]['cpu_throughput'] / off['cpu_throughput']:.2f}x" for m in ("fcfs", "lpm")) + " | "
+            + " / ".join(f"{r[m]['cpu_speedup']:.2f}x ({min(r[m]['cpu_speedup_runs']):.2f}-"
+                         f"{max(r[m]['cpu_speedup_runs']):.2f})" for m in ("fcfs", "lpm")) + " | "
             + " / ".join(f"{r[m]['ttft']:.1f}" for m in MODES) + f" | {sum(r[m]['preemptions'] for m in MODES)} |")
     return lines
 
@@ -288,15 +310,15 @@ def plot(engine: dict | None, scale: dict, path: Path) -> None:
             hits = [100 * engine[w][mode]["hit_rate"] for w in engine]
             ax.bar(x + (i - 1) * 0.27, hits, 0.27, color=colors[mode], label=MODE_LABELS[mode])
             for xi, w in zip(x, engine):
-                speed = engine[w][mode]["cpu_throughput"] / engine[w]["off"]["cpu_throughput"]
                 if mode != "off":
-                    ax.text(xi + (i - 1) * 0.27, 100 * engine[w][mode]["hit_rate"] + 1.5, f"{speed:.1f}x",
-                            ha="center", fontsize=7)
+                    ax.text(xi + (i - 1) * 0.27, 100 * engine[w][mode]["hit_rate"] + 1.5,
+                            f"{engine[w][mode]['cpu_speedup']:.1f}x", ha="center", fontsize=7)
         ax.axhspan(50, 99, color="#6aa84f", alpha=0.12, label=f"paper's hit rates ({PAPER_HIT_RATES})")
         ax.set_xticks(x, [w.split(" (")[0].replace(" ", "\n", 1) for w in engine], fontsize=8)
         ax.set_ylim(0, 100)
         ax.set_ylabel("prefix-cache hit rate (%)")
-        ax.set_title("Real engine on CPU (SmolLM2-135M)\nlabels: requests per CPU second vs caching off", fontsize=10)
+        ax.set_title("Real engine on CPU (SmolLM2-135M)\nlabels: requests per CPU second vs caching off (median)",
+                     fontsize=10)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     for ax, (name, r) in zip(axes, scale.items()):
         slots = [row["slots"] for row in r["fcfs"]]
@@ -327,14 +349,17 @@ def engine_findings(engine: dict) -> str:
     FCFS and LPM differ, preemptions."""
     lpm = {w: r["lpm"]["hit_rate"] for w, r in engine.items()}
     inside = [w for w, h in lpm.items() if PAPER_HIT_RANGE[0] <= h <= PAPER_HIT_RANGE[1]]
-    cpu = [r[m]["cpu_throughput"] / r["off"]["cpu_throughput"] for r in engine.values() for m in ("fcfs", "lpm")]
+    cpu = [r[m]["cpu_speedup"] for r in engine.values() for m in ("fcfs", "lpm")]
+    runs = [x for r in engine.values() for m in ("fcfs", "lpm") for x in r[m]["cpu_speedup_runs"]]
+    repeats = len(runs) // len(cpu)
     gap = max(abs(r["lpm"]["hit_rate"] - r["fcfs"]["hit_rate"]) for r in engine.values())
     preempted = sum(r[m]["preemptions"] for r in engine.values() for m in MODES)
     return (f"LPM's hit rate is {', '.join(f'{100 * h:.0f}%' for h in lpm.values())} on the four workloads: "
             f"{len(inside)} of {len(lpm)} inside the paper's {PAPER_HIT_RATES}. Caching cuts the CPU time per request "
-            f"by {min(cpu):.2f}-{max(cpu):.2f}x (requests per CPU second over caching off). FCFS and LPM differ by at "
-            f"most {100 * gap:.0f} points of hit rate here. {preempted} preemptions over all runs (the hit rates "
-            "count each request once, at its first admission).")
+            f"by {min(cpu):.2f}-{max(cpu):.2f}x (requests per CPU second over caching off, the median of "
+            f"{repeats} repeats paired with caching off; single runs {min(runs):.2f}-{max(runs):.2f}x). FCFS and LPM "
+            f"differ by at most {100 * gap:.0f} points of hit rate here. {preempted} preemptions over a repeat's runs "
+            "(the hit rates count each request once, at its first admission).")
 
 
 def scale_findings(scale: dict) -> str:
@@ -350,15 +375,18 @@ def scale_findings(scale: dict) -> str:
                    f"{l1['throughput']:.1f}); at the smallest ({f0['slots']}) FCFS hits {100 * f0['hit_rate']:.1f}% "
                    f"and LPM {100 * l0['hit_rate']:.1f}% (over all pools LPM ranges "
                    f"{100 * min(lpm_hits):.0f}-{100 * max(lpm_hits):.0f}%) and serves {l0['throughput'] / f0['throughput']:.2f}x "
-                   f"FCFS's requests/s ({o0['throughput']:.2f} with caching off).")
+                   f"FCFS's requests/s ({o0['throughput']:.2f} with caching off); there the requests queue (mean TTFT "
+                   f"FCFS / LPM {f0['ttft']:.2f} / {l0['ttft']:.2f} s, against {f1['ttft']:.2f} / {l1['ttft']:.2f} s at "
+                   "the largest pool), so the hit rates also depend on how deep the queue grows.")
     return " ".join(out)
 
 
 def summary(scale: dict) -> dict:
-    """The README's simulator numbers: few-shot at the smallest pool."""
+    """The README's simulator numbers: few-shot at the smallest pool, and LPM's hit rate at every pool."""
     r = next(iter(scale.values()))
     return {"pool_tokens": r["fcfs"][0]["slots"], "fcfs_hit_rate": r["fcfs"][0]["hit_rate"],
-            "lpm_hit_rate": r["lpm"][0]["hit_rate"]}
+            "lpm_hit_rate": r["lpm"][0]["hit_rate"], "fcfs_ttft": r["fcfs"][0]["ttft"],
+            "lpm_ttft": r["lpm"][0]["ttft"], "lpm_hit_rates": [row["hit_rate"] for row in r["lpm"]]}
 
 
 def report(engine: dict | None, scale: dict, args: argparse.Namespace) -> str:
@@ -367,8 +395,9 @@ def report(engine: dict | None, scale: dict, args: argparse.Namespace) -> str:
     skipped = 1 - 1 / PAPER_SPEEDUP
     return f"""The paper (Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs", 2024)
 reports cache hit rates of {PAPER_HIT_RATES} on its benchmarks (few-shot, multi-turn chat, tree of
-thought, long-document QA, agents) and up to {PAPER_SPEEDUP}x throughput over systems without
-prefix reuse, on GPUs and 7B-70B models.
+thought, long-document QA, agents), and up to {PAPER_SPEEDUP}x the throughput of state-of-the-art inference
+systems for SGLang as a whole (RadixAttention with its other optimizations, such as compressed finite-state
+machines for constrained decoding), on GPUs and 7B-70B models.
 
 ![hit rates](radix_hit_rate.png)
 
@@ -380,9 +409,11 @@ tokens, so some workloads evict), block size 16, at most 256 tokens and 8 reques
 a round per turn, each prompt carrying the model's real earlier replies). Prompts are random token ids
 in the model's vocabulary. Hit rate = cached prompt tokens / prompt tokens, each request counted at its
 first admission (a request re-admitted after a preemption finds its own blocks cached, which is not a
-prefix hit); throughput = requests per wall second; the speedup also per CPU second of the process (the
+prefix hit); throughput = requests per wall second; the speedup per CPU second of the process (the
 work saved: steadier than wall time on these two shared cores); TTFT includes queueing behind the other
-requests of the round.
+requests of the round. Each workload and mode runs {args.repeats} times on fresh engines, the three modes
+of a repeat back to back in a rotating order; req/s and TTFT are medians over the repeats, a speedup is
+the median of the repeats' ratios to the same repeat's run with caching off (the range in brackets).
 
 {engine_section}
 
@@ -391,8 +422,8 @@ requests of the round.
 How to read it: the first request of each task, document or tree finds nothing; the question and any
 partial last page of a shared prefix are always computed (matches are whole 16-token pages and leave one
 prompt token to compute). On CPU a step's cost is nearly all prefill compute, so the speedup follows the
-share of prompt tokens that need none; were prefill the whole cost, the paper's {PAPER_SPEEDUP}x would need
-{skipped:.0%} of it skipped. The runs last seconds on a shared machine, so wall-clock differences of a few
+share of prompt tokens that need none; were prefill the whole cost and the paper's {PAPER_SPEEDUP}x all prefix
+reuse, it would need {skipped:.0%} of prefill skipped. The runs last seconds on a shared machine, so wall-clock differences of a few
 tens of percent are noise; CPU time moves too when the machine's load changes between runs.
 
 ## 2. The simulator at scale
@@ -425,6 +456,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--pool-tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each engine workload and mode (fresh "
+                        "engines, modes in a rotating order); the speedups are medians of runs paired by repeat")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--quick", action="store_true", help="smoke run: the simulator at two pool sizes, no "
                         "engine; written to build/results-quick/")
