@@ -25,8 +25,9 @@ over the run (the first request sent to the last one finished), streamed chunks
 (SSE events) per request (fewer than its tokens with `--stream-interval` above 1), and goodput
 (requests per second meeting every `--goodput` SLO, e.g. `--goodput ttft:500 tpot:50`).
 Prints a table (and the distinct errors of failed requests); `--result-file` writes the same as JSON.
-`BenchError` when the server cannot be used (unreachable, or no model card at `/v1/models`); the
-command line then exits with `error: ...`, as it does when every request failed.
+`BenchError` when the server cannot be used (unreachable, no model card with a `max_model_len` at
+`/v1/models`, a `/detokenize` that gives no text); the command line then exits with `error: ...`, as it
+does when every request failed. `--api-key` (default `$OPENAI_API_KEY`) is sent with every request.
 
 The streams go through aiohttp, whose C parsers spend about a third of the CPU per SSE event that
 httpx does: on a machine the client shares with the server, a costlier client would take CPU from
@@ -135,14 +136,22 @@ async def stream_completion(session: aiohttp.ClientSession, payload: dict) -> Re
     return result
 
 
-def stream_session(base_url: str, read_timeout: float | None = None) -> aiohttp.ClientSession:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header a server started with `--api-key` asks for (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def stream_session(base_url: str, read_timeout: float | None = None,
+                   api_key: str | None = None) -> aiohttp.ClientSession:
     """A session for `stream_completion`: no limit on connections or on a request's duration (a
     wait for the next bytes longer than `read_timeout` seconds fails the request), a connection per
     request (reusing one the server is about to close as idle, uvicorn's 5 s keep-alive, fails the
     request, which a client that lags behind its 256 streams runs into after a wave of requests that
-    finish in the same step). Lines up to 1 MiB (a chunk with logprobs or an echoed prompt)."""
+    finish in the same step). Lines up to 1 MiB (a chunk with logprobs or an echoed prompt). With
+    `api_key`, every request carries it."""
     return aiohttp.ClientSession(base_url, timeout=aiohttp.ClientTimeout(total=None, sock_read=read_timeout),
-                                 connector=aiohttp.TCPConnector(limit=0, force_close=True), read_bufsize=1 << 20)
+                                 connector=aiohttp.TCPConnector(limit=0, force_close=True), read_bufsize=1 << 20,
+                                 headers=auth_headers(api_key))
 
 
 def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
@@ -342,16 +351,33 @@ async def model_card(session: aiohttp.ClientSession, base_url: str) -> dict:
         raise BenchError(f"GET {base_url}/v1/models lists no model: {str(body)[:200]}") from None
 
 
+def detokenizer(base_url: str, api_key: str | None) -> Callable[[list[int]], str]:
+    """Text of token ids from the server's `/detokenize`; BenchError when it does not give one."""
+    def detokenize(ids: list[int]) -> str:
+        try:
+            response = httpx.post(f"{base_url}/detokenize", json={"tokens": ids}, headers=auth_headers(api_key))
+            if response.status_code == 200:
+                return response.json()["prompt"]
+            problem = f"answered {response.status_code}: {response.text[:200]}"
+        except httpx.HTTPError as exc:
+            problem = f"failed: {exc}"
+        except (ValueError, KeyError, TypeError):
+            problem = f"answered no prompt: {response.text[:200]}"
+        raise BenchError(f"POST {base_url}/detokenize {problem}")
+    return detokenize
+
+
 async def _bench(args: argparse.Namespace) -> dict:
     slos = dict(args.goodput)
-    async with stream_session(args.base_url) as session:
+    async with stream_session(args.base_url, api_key=args.api_key) as session:
         card = await model_card(session, args.base_url)
         args.model = args.model or card["id"]
-
-        def detokenize(ids: list[int]) -> str:  # called while the jobs are built, before any request runs
-            return httpx.post(f"{args.base_url}/detokenize", json={"tokens": ids}).json()["prompt"]
-
-        workload = Workload(args, card["max_model_len"], detokenize)
+        max_model_len = card.get("max_model_len")
+        if not isinstance(max_model_len, int) or max_model_len < 1:
+            raise BenchError(f"the model card of {args.base_url}/v1/models gives no max_model_len (vLLM's and "
+                             f"llmjax's do): {str(card)[:200]}")
+        # called while the jobs are built, before any request runs
+        workload = Workload(args, max_model_len, detokenizer(args.base_url, args.api_key))
         jobs, total = workload.jobs()
         results, duration = await run_jobs(session, jobs, total, args.request_rate, args.max_concurrency, args.seed)
     summary = summarize(results, duration, slos)
@@ -377,6 +403,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", type=server_url, default="http://127.0.0.1:8000",
                         help="the server's root URL (default: %(default)s)")
     parser.add_argument("--model", type=non_empty, default=None, help="served model name (default: the server's first)")
+    parser.add_argument("--api-key", type=non_empty, default=os.environ.get("OPENAI_API_KEY") or None,
+                        help="sent as `Authorization: Bearer KEY` (default: $OPENAI_API_KEY, else none)")
     parser.add_argument("--dataset", choices=["random", "sharegpt", "prefix", "multiturn"], default="random")
     parser.add_argument("--num-prompts", type=positive_int, default=100,
                         help="requests, or conversations for multiturn")

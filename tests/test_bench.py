@@ -255,3 +255,35 @@ def test_a_run_where_every_request_failed_exits_with_an_error(base_url, tmp_path
     assert exit_info.value.code == "error: all 3 requests failed"
     assert "failed: HTTP 404" in capsys.readouterr().out  # the table and the errors come first
     assert json.loads(result.read_text())["failed"] == 3
+
+
+def test_an_api_key_is_sent_with_every_request(monkeypatch):
+    """A server started with `--api-key` (text prompts: `/detokenize` too); none given, its 401 is the error."""
+    engine = tiny_engine(max_num_seqs=4, kv_cache_memory_bytes=2 << 20, max_model_len=MAX_MODEL_LEN)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with running_server(build_app(engine, "tiny", api_key="sekret")) as url:
+        summary = bench(url, "--api-key", "sekret", "--num-prompts", "2", "--random-input-len", "4",
+                        "--random-output-len", "2", "--prompt-format", "text")
+        assert (summary["completed"], summary["failed"]) == (2, 0)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", "--base-url", url, "--num-prompts", "1"])
+        assert str(exit_info.value.code).startswith(f"error: GET {url}/v1/models answered 401")
+
+
+@pytest.mark.parametrize("card, detokenize, message", [
+    ({"id": "m"}, None, "gives no max_model_len"),
+    ({"id": "m", "max_model_len": 64}, (400, {"error": {"message": "bad ids"}}), "/detokenize answered 400"),
+    ({"id": "m", "max_model_len": 64}, (200, {"text": "x"}), "/detokenize answered no prompt"),
+])
+def test_a_server_missing_what_bench_reads_is_an_error(card, detokenize, message):
+    """A model card without `max_model_len`, a `/detokenize` that refuses or answers another shape:
+    `error: ...` naming it, no traceback."""
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI()
+    app.add_api_route("/v1/models", lambda: {"object": "list", "data": [card]})
+    if detokenize is not None:
+        app.add_api_route("/detokenize", lambda: JSONResponse(detokenize[1], detokenize[0]), methods=["POST"])
+    with running_server(app) as url, pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--base-url", url, "--num-prompts", "1", "--random-input-len", "4", "--prompt-format", "text"])
+    assert str(exit_info.value.code).startswith("error: ") and message in str(exit_info.value.code)
