@@ -151,7 +151,10 @@ def main(argv: list[str] | None = None) -> None:
             check(args)
     except UsageError as exc:
         sub.choices[args.command].error(str(exc))
-    args.func(args)
+    try:
+        args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C outside a server's own shutdown (loading, warm-up, a benchmark)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ status 1). Parse-level, or on the tiny presets."""
 from __future__ import annotations
 
 import argparse
+import socket
 
 import jax
 import pytest
@@ -211,3 +212,22 @@ def test_ports_and_replicas_are_range_checked(usage_error, argv, message):
 ])
 def test_empty_string_flags_are_refused(usage_error, argv, flag):
     usage_error(argv, f"argument {flag}: expected a non-empty value")
+
+
+def test_a_port_in_use_is_an_error_before_the_model_loads(cli_error, monkeypatch):
+    """`serve` binds its port before it loads the model, `cluster` checks the router's and the
+    replicas' ports before it starts one: a port in use is an `error:` at once."""
+    from llmjax.engine import LLMEngine
+    from llmjax.serve import cluster
+
+    monkeypatch.setattr(LLMEngine, "from_config", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(cluster.Replica, "start", lambda self: pytest.fail("a replica started"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line, status = cli_error("serve", "tiny-gqa", "--port", str(port))
+        assert status == 1 and line.startswith(f"error: cannot listen on 127.0.0.1:{port}: "), line
+        line, status = cli_error("cluster", "tiny-gqa", "--replicas", "1", "--port", "0", "--replica-base-port",
+                                 str(port))
+        assert status == 1 and line.startswith(f"error: cannot listen on 127.0.0.1:{port}: "), line

@@ -9,6 +9,7 @@ the supervision test (a replica killed under load comes back).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -569,8 +570,8 @@ def test_cluster_restarts_a_killed_replica_and_loses_no_unstarted_request(tmp_pa
            "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--health-check-interval", "0.5",
            "--health-failure-threshold", "1", "--uvicorn-log-level", "warning"]
     log_path = tmp_path / "cluster.log"
-    with open(log_path, "w") as log:
-        cluster = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    with open(log_path, "w") as log:  # its own process group, as a service manager starts it
+        cluster = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     router = f"http://127.0.0.1:{port}"
 
     def workers_up() -> list[bool]:
@@ -607,13 +608,63 @@ def test_cluster_restarts_a_killed_replica_and_loses_no_unstarted_request(tmp_pa
         assert len(replica_pids(cluster.pid)) == 2
         assert not [c for c in _children(cluster.pid) if c[1] == "Z"], _children(cluster.pid)  # reaped
     finally:
-        cluster.send_signal(signal.SIGTERM)
+        os.killpg(cluster.pid, signal.SIGTERM)  # the whole group, as systemd stops a service
         try:
             cluster.wait(60)
         finally:
             if cluster.poll() is None:
                 cluster.kill()
     assert not _children(cluster.pid)
+    log = log_path.read_text()
+    assert log.count("restarted (pid") == 1, log  # the killed replica; none while the group stopped
+    assert "Traceback" not in log, log
+
+
+def test_serve_stops_on_ctrl_c_without_a_traceback(tmp_path):
+    """Ctrl-C (SIGINT to the process group) stops `llmjax serve` with status 0, as uvicorn's own
+    command does; the status the cluster's supervisor reads as a replica stopped on purpose."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "llmjax.cli", "serve", "tiny-gqa", "--port", str(port), "--no-warmup",
+           "--max-model-len", "128", "--kv-cache-memory", str(2 << 20), "--attention-backend", "xla"]
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True)
+    try:
+        def up() -> bool:
+            assert server.poll() is None, server.stdout.read()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+        wait_for(up, timeout=300)
+        os.killpg(server.pid, signal.SIGINT)
+        output, _ = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert server.returncode == 0 and "Traceback" not in output, output
+
+
+@pytest.mark.parametrize("status, restarted", [(1, True), (-signal.SIGKILL, True), (0, False),
+                                               (-signal.SIGTERM, False), (-signal.SIGINT, False)])
+def test_the_supervisor_restarts_a_replica_that_died_not_one_that_was_stopped(monkeypatch, status, restarted):
+    from llmjax.serve.cluster import Replica, Supervisor
+
+    class Exited:
+        exitcode, pid = status, 0
+
+        def is_alive(self) -> bool:
+            return False
+
+        def join(self, timeout=None) -> None:
+            pass
+
+    starts = []
+    monkeypatch.setattr(Replica, "start", lambda self: starts.append(self))
+    replica = Replica(argparse.Namespace(), 1)
+    replica.proc, replica.backoff = Exited(), 0.0
+    supervisor = Supervisor([replica])
+    supervisor._check(replica)  # reaps it
+    supervisor._check(replica)  # its restart is due at once (no backoff)
+    assert starts == ([replica] if restarted else [])
 
 
 async def _attempt(client: httpx.AsyncClient, prompt: str, stream: bool) -> tuple[bool, int, int, bool]:

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmjax.config import ConfigError
 from llmjax.serve.api import build_app
 from llmjax.serve.metrics import parse_metrics
-from llmjax.serve.server import is_loopback, resolve_api_key, serve_app
+from llmjax.serve.server import bind_socket, is_loopback, resolve_api_key, serve_app
 from tests.engine_helpers import dense_logits, tiny_engine
 from tests.server_helpers import assert_no_leak, metrics, running_server, sse_events, wait_idle
 
@@ -888,12 +888,10 @@ def test_an_error_while_the_engine_admits_fails_only_that_request(client, app):
 def test_a_dead_engine_loop_fails_health_and_exits_non_zero():
     engine = tiny_engine(kv_cache_memory_bytes=1 << 20, max_model_len=64)
     app = build_app(engine, MODEL)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    sock.close()
     status = []
-    thread = threading.Thread(target=lambda: status.append(serve_app(app, "127.0.0.1", port, "warning")))
+    thread = threading.Thread(target=lambda: status.append(serve_app(app, sock, "warning")))
     thread.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -1017,13 +1015,10 @@ def _http_get(sock: socket.socket, path: str) -> bytes:
 def test_timeout_keep_alive_closes_idle_connections_after_it_and_only_then():
     engine = tiny_engine(kv_cache_memory_bytes=1 << 20, max_model_len=64)
     app = build_app(engine, MODEL)
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
     status = []
-    thread = threading.Thread(target=lambda: status.append(serve_app(app, "127.0.0.1", port, "warning",
-                                                                     timeout_keep_alive=0.5)))
+    thread = threading.Thread(target=lambda: status.append(serve_app(app, sock, "warning", timeout_keep_alive=0.5)))
     thread.start()
     try:
         deadline = time.monotonic() + 60

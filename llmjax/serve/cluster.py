@@ -6,12 +6,18 @@ Replica i is `llmjax serve` (`run_server`) with the same model, engine and serve
 `/health` answers 200 (SystemExit if one exits or `--replica-startup-timeout` passes), then runs
 the router on `--host:--port` in this process.
 
-Supervision (`Supervisor`, a background thread): a replica process that exits (killed, or its
-engine loop died) is reaped and started again after a backoff (1 s, doubling up to 30 s; back to
-1 s once a replica has stayed up for 60 s). The router's health checks take it out while it is
-down and bring it back once its `/health` answers 200. When the router stops (Ctrl-C, SIGTERM)
-or startup fails, supervision stops and the replicas get SIGTERM, then SIGKILL after 30 s; every
-child is joined, so none is left `<defunct>`.
+The router's port and every replica's are bound and released before anything starts, so a port
+in use is an `error:` at once (not a replica that loads the model, fails to bind and restarts
+forever while another server answers its health checks).
+
+Supervision (`Supervisor`, a background thread): a replica process that dies (SIGKILL, or its
+engine loop died: status 1) is reaped and started again after a backoff (1 s, doubling up to 30 s;
+back to 1 s once a replica has stayed up for 60 s). One that exits with status 0, or is ended by
+SIGINT or SIGTERM, was stopped on purpose (Ctrl-C in a terminal, and systemd's stop, signal the whole
+process group) and is not restarted (`STOPPED`). The router's health checks take a replica out while it is down and bring it back once its
+`/health` answers 200. When the router stops (Ctrl-C, SIGTERM) or startup fails, supervision stops
+and the replicas get SIGTERM, then SIGKILL after 30 s; every child is joined, so none is left
+`<defunct>`.
 
 Replicas on other machines need no launcher: start `llmjax serve` there and give their URLs to
 `llmjax router --workers`.
@@ -20,6 +26,7 @@ Replicas on other machines need no launcher: start `llmjax serve` there and give
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import os
 import signal
@@ -31,16 +38,27 @@ from pathlib import Path
 import httpx
 
 from llmjax.cli_types import UsageError
-from llmjax.serve.server import run_server
+from llmjax.serve.server import bind_socket, run_server
 
 STOP_TIMEOUT_S = 30.0
 POLL_S = 0.5
 BACKOFF_MIN_S, BACKOFF_MAX_S, STABLE_S = 1.0, 30.0, 60.0
+# exit statuses of a replica stopped on purpose: a clean stop, or SIGINT / SIGTERM's default action
+STOPPED = frozenset({0, -signal.SIGINT, -signal.SIGTERM})
 
 
 def replica_args(args: argparse.Namespace, port: int) -> argparse.Namespace:
     """`args` as `llmjax serve` reads them, for the replica on 127.0.0.1:`port`."""
     return argparse.Namespace(**{**vars(args), "host": "127.0.0.1", "port": port, "func": None})
+
+
+def serve_replica(args: argparse.Namespace) -> None:
+    """A replica process: `run_server`; interrupted (Ctrl-C reaches the whole process group) while it
+    loads or warms up, it exits with status 0 (stopped on purpose), without a traceback."""
+    try:
+        run_server(args)
+    except KeyboardInterrupt:
+        sys.exit(0)
 
 
 class Replica:
@@ -57,7 +75,7 @@ class Replica:
 
     def start(self) -> None:
         context = multiprocessing.get_context("spawn")
-        self.proc = context.Process(target=run_server, args=(self.args,), name=f"llmjax-replica-{self.port}")
+        self.proc = context.Process(target=serve_replica, args=(self.args,), name=f"llmjax-replica-{self.port}")
         self.proc.start()
         self.started_at, self.restart_at = time.monotonic(), None
 
@@ -89,6 +107,11 @@ class Supervisor:
                     replica.backoff = BACKOFF_MIN_S
                 return
             replica.proc.join()
+            if replica.proc.exitcode in STOPPED:  # stopped on purpose: stays down
+                replica.restart_at = math.inf
+                print(f"replica {replica.url} stopped (status {replica.proc.exitcode}); not restarted",
+                      file=sys.stderr, flush=True)
+                return
             replica.restart_at = now + replica.backoff
             print(f"replica {replica.url} exited with status {replica.proc.exitcode}; restarting in "
                   f"{replica.backoff:.0f} s", file=sys.stderr, flush=True)
@@ -174,13 +197,15 @@ def check_cluster_args(args: argparse.Namespace) -> None:
 
 def run_cluster(args: argparse.Namespace) -> None:
     """Start the replicas, wait for them, serve the router while supervising them; stop them at the end.
-    The flags are checked (`check_cluster_args`, the model path) before any replica starts."""
+    The flags (`check_cluster_args`, the model path) and the ports are checked before any replica starts."""
     from llmjax.engine_args import exit_on_user_error
     from llmjax.models.loader import resolve_source
     from llmjax.serve.router import serve_router
 
     with exit_on_user_error():
         resolve_source(args.model)  # a bad path fails here once, not in every replica
+    for host, port in [(args.host, args.port), *(("127.0.0.1", p) for p in replica_ports(args))]:
+        bind_socket(host, port).close()  # SystemExit `error: cannot listen on ...` for a port in use
     replicas = [Replica(args, port) for port in replica_ports(args)]
     supervisor = Supervisor(replicas)
     # SIGTERM unwinds to `finally` (uvicorn re-raises the signal it caught after its shutdown).

@@ -1,9 +1,11 @@
 """`run_server(args)`: one `llmjax serve` process (also each replica of `llmjax cluster`).
 
-Builds the engine from the engine flags (`llmjax/engine_args.py`) and the app (`build_app`),
-refuses to start when the KV pool cannot hold one `max_model_len` request, warms up, and serves
-with uvicorn until stopped. If the engine loop dies, the server shuts down and the process exits
-with status 1, so a supervisor (`llmjax cluster`, systemd, Kubernetes) restarts it.
+Binds its address first (a port in use is an `error:` before the model loads), builds the engine
+from the engine flags (`llmjax/engine_args.py`) and the app (`build_app`), refuses to start when the
+KV pool cannot hold one `max_model_len` request, warms up, and serves with uvicorn on the bound
+socket until stopped. Stopped by SIGINT (Ctrl-C) or SIGTERM, it lets open responses end and exits
+with status 0; if the engine loop dies, the server shuts down and the process exits with status 1,
+so a supervisor (`llmjax cluster`, systemd, Kubernetes) restarts it.
 
 API key: `--api-key` or the `LLMJAX_API_KEY` environment variable; without one, binding an
 address other than loopback logs a warning.
@@ -15,6 +17,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -67,20 +70,43 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info",
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (port 0: any free one), not yet listening, so a client
+    that connects before the server accepts is refused rather than kept waiting. SystemExit with
+    `error: ...` when the address cannot be bound (in use, not this machine's)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def serve_app(app: FastAPI, sock: socket.socket, log_level: str = "info",
               timeout_keep_alive: float = KEEP_ALIVE_S) -> int:
-    """Serve an app of `build_app` until stopped; 0, or 1 when its engine loop died (the server
-    then stops at once, letting open responses end for up to GRACEFUL_SHUTDOWN_S)."""
+    """Serve an app of `build_app` on the bound `sock` (`bind_socket`; closed when it returns) until
+    stopped: 0 when stopped (a signal, Ctrl-C), 1 when its engine loop died (the server then stops
+    at once, letting open responses end for up to GRACEFUL_SHUTDOWN_S)."""
     import uvicorn
 
     from llmjax.serve.asgi import GRACEFUL_SHUTDOWN_S
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                            timeout_keep_alive=timeout_keep_alive))
     async_engine = app.state.server.async_engine
     async_engine.on_dead = lambda: setattr(server, "should_exit", True)  # uvicorn polls the flag
-    server.run()
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on, as `uvicorn.run` absorbs it
+        pass
+    finally:
+        sock.close()
     if async_engine.error is not None:
         print(f"error: the engine loop died: {async_engine.error!r}", file=sys.stderr, flush=True)
         return 1
@@ -101,6 +127,7 @@ def run_server(args: argparse.Namespace) -> None:
                     "(set --api-key or LLMJAX_API_KEY)", args.host)
         print(f"warning: no API key while binding {args.host}", file=sys.stderr, flush=True)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
+    sock = bind_socket(args.host, args.port)
     with exit_on_user_error():
         name = args.served_model_name or resolve_source(args.model).name
         engine = LLMEngine.from_config(args.model, engine_config_from_args(args), seed=args.seed)
@@ -108,5 +135,5 @@ def run_server(args: argparse.Namespace) -> None:
     if args.warmup:
         engine.warmup()
     freeze_gc_heap()
-    print(f"serving {name!r} at http://{args.host}:{args.port}/v1", flush=True)
-    sys.exit(serve_app(app, args.host, args.port, args.uvicorn_log_level, args.timeout_keep_alive))
+    print(f"serving {name!r} at http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
+    sys.exit(serve_app(app, sock, args.uvicorn_log_level, args.timeout_keep_alive))
