@@ -143,8 +143,9 @@ class Simulator:
     def run(self, trace: Sequence[TraceRequest], until: float | None = None, progress: str | None = None) -> SimResult:
         """Serve `trace` until every request finishes (or the clock passes `until`).
 
-        ValueError for a request longer than `max_model_len`; RuntimeError when nothing can be
-        scheduled and nothing will arrive (a request the KV pool can never hold).
+        ValueError for a request longer than `max_model_len` (before anything runs) or one the KV
+        pool can never hold (the KV cache's, when it is first scheduled); RuntimeError when nothing
+        can be scheduled and nothing will arrive.
         """
         ids = {t.request_id for t in trace}
         for t in trace:

@@ -144,10 +144,11 @@ def test_allocate_returns_none_and_changes_nothing_when_full():
 def test_asking_for_more_than_the_pool_can_ever_hold():
     m = KVCacheManager(num_blocks=5, block_size=2)
     before = snapshot(m)
-    with pytest.raises(ValueError, match="pool has 4 usable blocks"):
-        m.allocate("a", list(range(9)), 100)
-    assert snapshot(m) == before
-    m.allocate("a", list(range(9)), 8)
+    for chunk in (100, 2):  # the whole prompt is checked, not only its first chunk
+        with pytest.raises(ValueError, match="pool has 4 usable blocks"):
+            m.allocate("a", list(range(9)), chunk)
+        assert snapshot(m) == before
+    m.allocate("a", list(range(8)), 8)
     before = snapshot(m)
     with pytest.raises(ValueError, match="pool has 4 usable blocks"):
         m.grow("a", 9)
@@ -214,6 +215,16 @@ def test_check_invariants_catches_a_corrupted_table():
     m.allocate("a", [1, 2, 3], 100)
     m._seqs["a"].block_table.append(7)
     with pytest.raises(AssertionError, match="block 7: ref count 0, 1 tables hold it"):
+        m.check_invariants()
+
+
+def test_check_invariants_catches_a_path_in_another_namespace():
+    m = KVCacheManager(num_blocks=8, block_size=2)
+    m.allocate("a", [1, 2, 3], 100, "tenant")
+    m.cache_blocks("a", [1, 2, 3])
+    m.check_invariants()
+    m._seqs["a"].namespace = "other"
+    with pytest.raises(AssertionError, match="'a' of namespace 'other' holds a path of 'tenant'"):
         m.check_invariants()
 
 

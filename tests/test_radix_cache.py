@@ -78,6 +78,30 @@ def test_namespaces_never_share():
     m.check_invariants()
 
 
+def test_a_namespace_goes_with_its_last_cached_page():
+    """One-off tenants leave nothing behind once their pages are evicted: the tree is bounded by
+    the pages it caches, not by how many namespaces it has seen."""
+    m = KVCacheManager(num_blocks=4, block_size=BS)  # 3 usable blocks
+    for tenant in range(50):
+        cache(m, [tenant] * 8, namespace=tenant)  # 2 pages each: evicts older tenants' pages
+        m.check_invariants()
+    assert set(m.prefix_cache._roots) == {48, 49} and m.stats().cached_blocks == 3
+    assert m.peek_prefix_len([49] * 9, 49) == 8 and m.peek_prefix_len([48] * 9, 48) == 4
+    m.prefix_cache.evict(3)
+    assert not m.prefix_cache._roots
+    m.check_invariants()
+
+
+def test_check_invariants_catches_a_node_in_another_namespace():
+    m = cached_manager(list(range(9)), namespace="a")
+    cache(m, list(range(9)), namespace="b")
+    m.check_invariants()
+    roots = m.prefix_cache._roots
+    roots["a"], roots["b"] = roots["b"], roots["a"]  # each tenant would hit the other's pages
+    with pytest.raises(AssertionError, match="a node of namespace 'b' in the tree of 'a'"):
+        m.check_invariants()
+
+
 def test_inserting_a_cached_prefix_keeps_the_existing_blocks():
     m = KVCacheManager(32, BS)
     seq = list(range(9))

@@ -133,6 +133,12 @@ class BuddyAllocator:
     def block_size(self, offset: int) -> int:
         return 1 << self._allocated[offset]
 
+    @property
+    def largest_request(self) -> int:
+        """The most slots one allocation can ever get: the largest starting block (a request is
+        rounded up to a power of two, which must fit inside one of them)."""
+        return 1 << (self.size.bit_length() - 1)
+
     def largest_free(self) -> int:
         """Slots in the largest free block: the biggest request that would fit now (0 when full)."""
         return max((1 << o for o, offsets in enumerate(self._free) if offsets), default=0)
@@ -190,7 +196,8 @@ class ContiguousKVCache:
         when no buddy block is large enough now. `count_query` and `match_prefix` are the
         scheduler's interface; with no prefix cache nothing is counted and nothing ever matches.
         ValueError: a known request, no tokens, max_new_tokens < 1, a reservation larger than
-        max_model_len or the pool, or token_ids longer than the request's final length."""
+        max_model_len or than the pool's largest block (`BuddyAllocator.largest_request`: it could
+        never be placed), or token_ids longer than the request's final length."""
         if req_id in self._spans:
             raise ValueError(f"request {req_id!r} already holds a reservation")
         if not token_ids or max_new_tokens < 1:
@@ -198,9 +205,10 @@ class ContiguousKVCache:
         prompt_len, output_len = self.lengths[req_id]
         final_len = prompt_len + output_len
         reserved = reservation(self.policy, prompt_len, output_len, self.max_model_len)
-        if not len(token_ids) <= final_len <= reserved <= min(self.max_model_len, self.num_slots):
+        if not len(token_ids) <= final_len <= reserved <= min(self.max_model_len, self.buddy.largest_request):
             raise ValueError(f"request {req_id!r}: {len(token_ids)} tokens now, {final_len} in all, {reserved} "
-                             f"reserved; max_model_len {self.max_model_len}, {self.num_slots} slots")
+                             f"reserved; max_model_len {self.max_model_len}, {self.num_slots} slots, of which "
+                             f"{self.buddy.largest_request} the largest block")
         offset = self.buddy.allocate(reserved)
         if offset is None:
             return None

@@ -112,7 +112,7 @@ class KVCacheManager:
         num_cached = match.num_tokens
         num_new = min(max_new_tokens, len(token_ids) - num_cached)
         num_tokens = num_cached + num_new
-        self._check_fits(num_tokens)
+        self._check_fits(len(token_ids))  # its whole prompt, not only this chunk
         need = self.num_blocks_for(num_tokens) - len(match.blocks)
         revived = sum(pool.ref_count(b) == 0 for b in match.blocks)  # evictable now, in use after
         if need > pool.num_free + pool.num_evictable - revived:
@@ -302,7 +302,8 @@ class KVCacheManager:
         """Raise AssertionError unless: free + evictable + in use == num_blocks - 1; each block's ref
         count equals the number of block tables holding it (the tree holds no references); no
         block is both free and mapped; each table covers its tokens exactly and starts with its
-        locked tree path; each cached node's blocks hold exactly its tokens."""
+        locked tree path, in its own namespace's tree; each cached node's blocks hold exactly its
+        tokens."""
         self._sync_group(forget=False)
         pool = self.block_pool
         pool.check_invariants()
@@ -316,6 +317,9 @@ class KVCacheManager:
                 path = self.prefix_cache.path_blocks(seq.node)
                 assert path == seq.block_table[: seq.cached_pages] and len(path) == seq.cached_pages, (
                     f"{req_id!r}: locked tree path is not the head of its block table"
+                )
+                assert seq.node is None or seq.node.namespace == seq.namespace, (
+                    f"{req_id!r} of namespace {seq.namespace!r} holds a path of {seq.node.namespace!r}"
                 )
         assert self._num_seq_tokens == sum(s.num_tokens for s in self._seqs.values()), "token counter drifted"
         if self._group is not None:

@@ -3,7 +3,8 @@
 Each edge is a run of whole pages (a page = `block_size` token ids); each node holds one
 block per page, a lock count and a last-access time (a logical clock: it ticks once per
 lock or unlock, so orderings are deterministic). Namespaces (tenants) have separate
-roots and never share nodes or blocks.
+roots and never share nodes or blocks; a namespace's root goes when its last page is evicted, so
+the tree's size is bounded by the pages it caches, however many namespaces came and went.
 
 Ownership and locking contract (the KV cache manager follows it):
 
@@ -27,11 +28,13 @@ from llmjax.kv.block_pool import BlockPool, Page
 
 @dataclass(eq=False, slots=True)
 class Node:
-    """A tree node: `pages[i]` is cached in `blocks[i]`. The root of a namespace has no pages."""
+    """A tree node: `pages[i]` is cached in `blocks[i]`. The root of a namespace has no pages;
+    every node carries its tree's `namespace`."""
 
     parent: Node | None
     pages: list[Page]
     blocks: list[int]
+    namespace: Hashable = None
     children: dict[Page, Node] = field(default_factory=dict)  # keyed by the child's first page
     lock_count: int = 0
     last_access: int = 0
@@ -128,10 +131,10 @@ class RadixCache:
                 raise ValueError(f"block {b} is cached elsewhere: tokens disagree with the blocks' content")
         if num_pages == 0:
             return None, []
-        node = self.path_node(found) or self._roots.setdefault(namespace, _root())
+        node = self.path_node(found) or self._roots.setdefault(namespace, _root(namespace))
         if done < num_pages:
             child = Node(parent=node, pages=[self._page(tokens, i) for i in range(done, num_pages)],
-                         blocks=list(blocks[done:num_pages]), last_access=node.last_access)
+                         blocks=list(blocks[done:num_pages]), namespace=namespace, last_access=node.last_access)
             node.children[child.pages[0]] = child
             for b, page in zip(child.blocks, child.pages):
                 self.pool.mark_cached(b, page)
@@ -153,7 +156,10 @@ class RadixCache:
             node.blocks.pop()
             page = node.pages.pop()
             if not node.pages:
-                del node.parent.children[page]
+                parent = node.parent
+                del parent.children[page]
+                if parent.parent is None and not parent.children:  # its namespace's last page
+                    del self._roots[parent.namespace]
             freed += 1
         return freed
 
@@ -161,7 +167,6 @@ class RadixCache:
         """Evict every unlocked block. True when the cache is now empty, False when locked
         (in-use) paths remain cached."""
         self.evict(self.pool.num_evictable)
-        self._roots = {ns: root for ns, root in self._roots.items() if root.children}
         return not self._roots
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -190,9 +195,11 @@ class RadixCache:
         num_blocks = 0
         for ns, root in self._roots.items():
             assert root.parent is None and not root.pages and root.lock_count == 0, f"bad root for {ns!r}"
+            assert root.children, f"the root of {ns!r} is kept with no page cached"
             stack = [root]
             while stack:
                 node = stack.pop()
+                assert node.namespace == ns, f"a node of namespace {node.namespace!r} in the tree of {ns!r}"
                 for key, child in node.children.items():
                     assert child.parent is node and child.pages and key == child.pages[0], "bad child link"
                     if node.parent is not None:
@@ -246,7 +253,7 @@ class RadixCache:
     def _split(self, node: Node, k: int) -> Node:
         """Cut `node` after its first k pages; the new upper node is returned, `node` keeps the rest."""
         assert node.parent is not None and 0 < k < len(node.pages)
-        upper = Node(parent=node.parent, pages=node.pages[:k], blocks=node.blocks[:k],
+        upper = Node(parent=node.parent, pages=node.pages[:k], blocks=node.blocks[:k], namespace=node.namespace,
                      lock_count=node.lock_count, last_access=node.last_access)
         node.parent.children[upper.pages[0]] = upper
         del node.pages[:k], node.blocks[:k]
@@ -265,5 +272,5 @@ class RadixCache:
             n = n.parent
 
 
-def _root() -> Node:
-    return Node(parent=None, pages=[], blocks=[])
+def _root(namespace: Hashable) -> Node:
+    return Node(parent=None, pages=[], blocks=[], namespace=namespace)
