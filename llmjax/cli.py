@@ -62,6 +62,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
             [out] = llm.chat([{"role": "user", "content": args.prompt}], params)
     except ValueError as exc:
         sys.exit(f"error: {exc}")
+    if out.error:  # the engine failed it (its log says why)
+        sys.exit(f"error: {out.error}")
     print(out.outputs[0].text)
 
 

@@ -112,10 +112,31 @@ def test_an_attention_backend_not_usable_here_is_an_error(cli_error):
     assert status == 1 and line.startswith(f"error: attention backend '{unusable}' needs"), line
 
 
+@pytest.mark.parametrize("command", COMMANDS[:2], ids=lambda c: c[0])
+def test_shapes_the_pallas_kernels_cannot_tile_are_an_error_when_the_engine_is_built(cli_error, command):
+    """The kernels tile KV blocks in powers of two of at least 16: a block size of 8 is refused when
+    the engine is built, not at its first step (where every request would fail)."""
+    line, status = cli_error(command[0], "tiny-gqa", *command[2:], "--attention-backend", "pallas-interpret",
+                             "--block-size", "8")
+    assert status == 1 and line.startswith(
+        "error: attention backend 'pallas': Pallas paged attention needs block_size a power of two >= 16, got 8"), line
+
+
 def test_a_kv_budget_below_two_blocks_is_an_error(cli_error):
     line, status = cli_error("serve", "tiny-gqa", "--kv-cache-memory", "1000", "--no-warmup", "--attention-backend",
                              "xla")
     assert status == 1 and line.startswith("error: KV budget of 1000 bytes holds 0 blocks"), line
+
+
+def test_a_request_the_engine_failed_is_an_error_not_an_empty_answer(cli_error, monkeypatch):
+    import llmjax.runner
+
+    def broken_fetch(self, inflight):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(llmjax.runner.ModelRunner, "fetch", broken_fetch)
+    line, status = cli_error("generate", "tiny-gqa", "--prompt", "hi", "--attention-backend", "xla")
+    assert status == 1 and line == "error: the engine step failed: RuntimeError: device lost", line
 
 
 def test_an_internal_error_keeps_its_traceback(monkeypatch):

@@ -47,7 +47,8 @@ class AttentionBackend:
     of a bfloat16 cache on CPU, see `cache_dtype`), as the pure-JAX and native paths do; False:
     as values (bfloat16), as the Pallas kernels need. The two differ only on CPU.
     `prefill`, when set, takes the steps that turn out fresh prefills at run time (the model
-    chooses with `lax.cond`); the others go to `ragged_paged_attention`."""
+    chooses with `lax.cond`); the others go to `ragged_paged_attention`. `check_model`, when set:
+    see `check`."""
 
     name: str
     ragged_paged_attention: Callable[..., jax.Array]
@@ -55,6 +56,29 @@ class AttentionBackend:
     plan: Callable[..., Any] | None = None
     reads_storage: bool = True
     prefill: PrefillAttention | None = None
+    check_model: Callable[[Any, int], None] | None = None
+
+    def check(self, model_config, block_size: int) -> None:
+        """Raise `ConfigError` when this backend cannot run a model of `model_config`'s shapes over
+        KV blocks of `block_size` tokens (the engine calls it when it is built, not at its first step)."""
+        if self.check_model is not None:
+            self.check_model(model_config, block_size)
+
+
+def _check_pallas_shapes(model_config, block_size: int) -> None:
+    """The Pallas kernels tile KV blocks and head dimensions in powers of two of at least 16."""
+    from pallas_kernels.paged_attention import check_pow2
+
+    if model_config.attention == "mla":
+        dims = {"kv_lora_rank": model_config.kv_lora_rank, "qk_rope_head_dim": model_config.qk_rope_head_dim}
+    else:
+        dims = {"head_dim": model_config.head_dim}
+    for what, n in {**dims, "block_size": block_size}.items():
+        try:
+            check_pow2(what, n)
+        except ValueError as exc:
+            raise ConfigError(f"attention backend 'pallas': {exc}; use another --block-size or "
+                              f"--attention-backend xla") from None
 
 
 def _pallas_plan(step, model_config, decode_only: bool):
@@ -117,4 +141,5 @@ def get_attention_backend(name: str | None = None) -> AttentionBackend:
         name,
         functools.partial(pallas_kernels.ragged_paged_attention, interpret=interpret),
         functools.partial(pallas_kernels.mla_ragged_paged_attention, interpret=interpret),
-        plan=_pallas_plan, reads_storage=False, prefill=PrefillAttention(flash_plan, flash))
+        plan=_pallas_plan, reads_storage=False, prefill=PrefillAttention(flash_plan, flash),
+        check_model=_check_pallas_shapes)
