@@ -79,7 +79,8 @@ def flash_attention(q, k, v, segment_starts=None, *, sm_scale=None, causal=True,
     extra = [jnp.pad(segment_starts.astype(jnp.int32), ((0, 0), (0, q.shape[1] - q_len)))] if varlen else []
     num_q_tiles = -(-q_len // bq)
     group = num_heads // num_kv_heads
-    scale = sm_scale * LOG2E  # folded into q: scores come out in base 2, softmax uses exp2
+    scale = sm_scale * LOG2E  # applied to the float32 scores (base 2: softmax uses exp2); folded into a
+    # bfloat16 q instead, it would round every query a second time
 
     def kernel(q_ref, k_ref, v_ref, *refs):
         seg_ref, o_ref = refs if varlen else (None, refs[0])
@@ -90,7 +91,6 @@ def flash_attention(q, k, v, segment_starts=None, *, sm_scale=None, causal=True,
         valid = rows < q_len
         q_idx = (b, pl.ds(i * bq, bq), h)
         qt = pl_triton.load(q_ref.at[q_idx], mask=valid[:, None], other=0)
-        qt = (qt.astype(jnp.float32) * scale).astype(qt.dtype)
         q_pos = q_offset + rows
         if varlen:  # each row's sequence start; rows past the end count as their own sequence
             seg = jnp.where(valid, pl_triton.load(seg_ref.at[b, pl.ds(i * bq, bq)], mask=valid, other=0), rows)
@@ -108,10 +108,10 @@ def flash_attention(q, k, v, segment_starts=None, *, sm_scale=None, causal=True,
                     visible &= kpos[None, :] <= q_pos[:, None]
                 if varlen:
                     visible &= kpos[None, :] >= seg[:, None]
-                s = jnp.where(visible, dot_nt(qt, kt), -jnp.inf)
+                s = jnp.where(visible, dot_nt(qt, kt) * scale, -jnp.inf)
             else:  # every key visible to every row
                 kt, vt = k_ref[kv_idx], v_ref[kv_idx]
-                s = dot_nt(qt, kt)
+                s = dot_nt(qt, kt) * scale
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - m_new[:, None])

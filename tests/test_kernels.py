@@ -277,6 +277,18 @@ def test_flash_prefill_varlen(rng, lens, num_tokens, heads, kv_heads, head_dim, 
     assert_matches(out, varlen_reference(q, k, v, lens), dtype)
 
 
+def test_flash_prefill_keeps_bfloat16_scores_in_float32(rng):
+    """Large logits (q and k of std 3: scores of std 9): the softmax scale is applied to the float32
+    scores; folded into a bfloat16 q, it rounded each query again and the error was 4x."""
+    n, d = 128, 128
+    q, k = (jnp.asarray(rng.standard_normal((n, h, d)) * 3, jnp.bfloat16) for h in (2, 1))
+    v = jnp.asarray(rng.standard_normal((n, 1, d)), jnp.bfloat16)
+    segments = prefill_segment_starts(jnp.asarray([0, n], jnp.int32), n)
+    out = flash_prefill(q, k, v, segments, sm_scale=d ** -0.5, interpret=INTERPRET)
+    error = np.abs(np.asarray(out.astype(jnp.float32)) - np.asarray(varlen_reference(q, k, v, [n])))
+    assert error.max() < 0.025 and error.mean() < 0.0015, (error.max(), error.mean())
+
+
 def test_flash_prefill_lowers_for_cuda():
     q, k = jnp.zeros((512, 9, 64), jnp.bfloat16), jnp.zeros((512, 3, 64), jnp.bfloat16)
     segments = prefill_segment_starts(jnp.asarray([0, 100, 300, 450], jnp.int32), 512)
