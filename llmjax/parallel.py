@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from llmjax.attention.backend import AttentionBackend
+from llmjax.attention.backend import AttentionBackend, PrefillAttention
 from llmjax.config import ConfigError, EngineConfig, ModelConfig
 from llmjax.models.loader import LoadedModel, abstract_model
 from llmjax.models.transformer import init_cache
@@ -175,8 +175,9 @@ class Layout:
 
 
 def sharded_attention(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend:
-    """`backend` run per device under `shard_map`: query heads split, GQA KV heads split, the MLA
-    latent cache and the batch metadata replicated. Needs no collective."""
+    """`backend` run per device under `shard_map`: query heads split, GQA KV heads split (in the
+    cache and, for a fresh prefill's attention, the new tokens' K and V), the MLA latent cache and
+    the batch metadata replicated. Needs no collective."""
     heads, kv, rep = P(None, TP, None), P(None, None, None, TP, None), P()
 
     def per_device(fn, specs):
@@ -187,9 +188,18 @@ def sharded_attention(backend: AttentionBackend, mesh: Mesh) -> AttentionBackend
 
         return call
 
+    def per_device_prefill(prefill: PrefillAttention) -> PrefillAttention:
+        def attend(q, k, v, plan, *, sm_scale):  # q [T, H, D], k and v [T, Hkv, D]: heads split alike
+            local = functools.partial(prefill.attend, sm_scale=sm_scale)
+            return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, rep), out_specs=heads,
+                                 check_vma=False)(q, k, v, plan)
+
+        return PrefillAttention(prefill.plan, attend)
+
     return dataclasses.replace(
         backend,
         ragged_paged_attention=per_device(backend.ragged_paged_attention, (heads, kv, kv)),
         mla_ragged_paged_attention=per_device(backend.mla_ragged_paged_attention, (heads, heads, rep)),
         plan=None,  # the kernels' plans are per-device shapes: not passed through shard_map
+        prefill=backend.prefill and per_device_prefill(backend.prefill),
     )

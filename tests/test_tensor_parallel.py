@@ -85,6 +85,15 @@ def test_weights_and_cache_are_sharded(runs, preset):
     assert sum(runs[preset][1]["collectives"].values()) == 0
 
 
+def test_pallas_fresh_prefill_attention_runs_per_device(runs):
+    """The flash path (a fresh prefill's attention on the new tokens' K and V) is under `shard_map`
+    like the paged kernels: no collective, the unsharded call's values."""
+    for tp in SIZES["tiny-gqa"][1:]:
+        r = runs["tiny-gqa"][tp]["flash_prefill"]
+        assert sum(r["collectives"].values()) == 0, r["collectives"]
+        assert r["error"] < 1e-6
+
+
 @pytest.mark.parametrize("preset, changes, tp, message", [
     ("tiny-gqa", {}, 3, "num_heads"),
     ("tiny-mla", {}, 16, "num_heads"),

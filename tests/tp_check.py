@@ -4,7 +4,8 @@ JAX fixes its CPU device count when it starts, so the test runs this script with
 `XLA_FLAGS=--xla_force_host_platform_device_count=4`: `python tests/tp_check.py PRESET TP...`.
 It prints one JSON object: per tensor-parallel size, how the greedy outputs compare with a dense
 no-cache reference (computed on one device), the shardings of the weights and cache, the
-collectives in the compiled step, and the compilations of a second identical run.
+collectives in the compiled step, the compilations of a second identical run, and (GQA) the Pallas
+fresh-prefill attention run per device.
 """
 
 from __future__ import annotations
@@ -57,6 +58,33 @@ def prompt_logprob_error(engine, reference: np.ndarray) -> float:
     return max(abs(lp - reference[t - 1, i]) for t in range(1, len(prompt)) for i, lp in entries[t].items())
 
 
+def collectives(hlo: str) -> dict[str, int]:
+    return {c: len(re.findall(rf"\b{c}(-start)?\(", hlo)) for c in COLLECTIVES}
+
+
+def flash_prefill_check(tp: int) -> dict:
+    """The Pallas backend's fresh-prefill attention (interpret mode) under `parallel.sharded_attention`,
+    on query and KV heads split over `tp` devices: the collectives of the compiled call (per device,
+    none) and its largest difference from the unsharded call."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from llmjax import parallel
+    from llmjax.attention.backend import get_attention_backend
+    from pallas_kernels import prefill_segment_starts
+
+    mesh = parallel.make_mesh(tp)
+    backend = get_attention_backend("pallas-interpret")
+    sharded = parallel.sharded_attention(backend, mesh).prefill
+    q, k, v = (jax.numpy.asarray(RNG.standard_normal((32, h, 32)), np.float32) for h in (8, 4, 4))
+    plan = prefill_segment_starts(jax.numpy.asarray([0, 10, 32], np.int32), 32)
+    heads = NamedSharding(mesh, P(None, parallel.TP, None))
+    call = jax.jit(lambda q, k, v, plan: sharded.attend(q, k, v, plan, sm_scale=0.125),
+                   in_shardings=(heads, heads, heads, NamedSharding(mesh, P())), out_shardings=heads)
+    error = np.abs(call(q, k, v, plan) - backend.prefill.attend(q, k, v, plan, sm_scale=0.125)).max()
+    return dict(collectives=collectives(call.lower(q, k, v, plan).compile().as_text()), error=float(error))
+
+
 def check(preset: str, tp: int, reference, prompt_reference) -> dict:
     engine = tiny_engine(preset, tensor_parallel_size=tp)
     runner = engine.runner
@@ -78,8 +106,9 @@ def check(preset: str, tp: int, reference, prompt_reference) -> dict:
         params={"/".join(path): spec(v.get_value()) for path, v in nnx.to_flat_state(runner.params)},
         cache=[spec(c) for c in runner.cache],
         cache_shard_shape=list(runner.cache[0].addressable_shards[0].data.shape),
-        collectives={c: len(re.findall(rf"\b{c}(-start)?\(", hlo)) for c in COLLECTIVES},
+        collectives=collectives(hlo),
         prompt_logprob_error=float(error),
+        flash_prefill=flash_prefill_check(tp) if tp > 1 and engine.model_config.attention != "mla" else None,
     )
 
 
