@@ -39,6 +39,15 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise UsageError("--queue-order has no effect on generate: its one request never waits behind another")
 
 
+def check_single_host(args: argparse.Namespace) -> None:
+    """UsageError for the multi-host flags on a server: only the host that receives a request would run
+    its steps, and the others' engines wait for them forever (docs/parallelism.md)."""
+    default = EngineConfig()
+    if args.coordinator_address != default.coordinator_address or args.num_processes != default.num_processes:
+        raise UsageError("--coordinator-address and --num-processes are for generate and the LLM API: a server "
+                         "runs on one host (run one tensor-parallel engine per host behind the router)")
+
+
 def sampling_params_from_args(args: argparse.Namespace):
     """`llmjax generate`'s `SamplingParams`; UsageError for an invalid value."""
     from llmjax.sampling_params import SamplingParams, SamplingParamsError
@@ -112,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     add_engine_args(serve)
     add_serve_args(serve)
-    serve.set_defaults(func=cmd_serve, checks=(check_engine_args,))
+    serve.set_defaults(func=cmd_serve, checks=(check_engine_args, check_single_host))
 
     from llmjax.bench import add_bench_args, check_bench_args
 
@@ -145,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
                          help="seconds every replica has to answer /health with 200 (default: %(default)s)")
     add_serve_args(cluster, address=False)  # the replicas' flags
     add_router_args(cluster)
-    cluster.set_defaults(func=cmd_cluster, checks=(check_engine_args, check_router_args, check_cluster_args))
+    cluster.set_defaults(func=cmd_cluster, checks=(check_engine_args, check_single_host, check_router_args,
+                                                   check_cluster_args))
 
     args = parser.parse_args(argv)
     try:

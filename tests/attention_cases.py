@@ -1,4 +1,5 @@
-"""Random paged-attention batches and a naive NumPy reference, shared by the attention tests.
+"""Random paged-attention batches and a naive NumPy reference, shared by the attention tests and
+by experiments/gpu_check.py (so it needs no pytest: the tests' `rng` fixture is in conftest.py).
 
 A batch is a list of (q_len, seq_len) per request: decodes first (q_len 1), then prefill
 chunks, then padded requests (0, 0). Block tables hold shuffled, non-contiguous block
@@ -8,20 +9,10 @@ an implementation that lets a masked key contribute produces NaN.
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
-
-
-@pytest.fixture
-def rng():
-    """Fresh random inputs each run; the seed is printed so a failure can be replayed."""
-    seed = secrets.randbits(32)
-    print(f"attention test seed: {seed}")
-    return np.random.default_rng(seed)
 
 
 @dataclass

@@ -1,11 +1,21 @@
 """Test-suite hooks."""
 
 import gc
+import secrets
 
+import numpy as np
 import pytest
 
 from llmjax.cli import main
 from llmjax.runner import release_compiled_steps
+
+
+@pytest.fixture
+def rng():
+    """Fresh random inputs each run; the seed is printed so a failure can be replayed."""
+    seed = secrets.randbits(32)
+    print(f"test seed: {seed}")
+    return np.random.default_rng(seed)
 
 
 @pytest.fixture(autouse=True, scope="module")

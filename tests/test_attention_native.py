@@ -15,8 +15,7 @@ import pytest
 from llmjax.attention import backend, cpu, native, xla
 from llmjax.attention.cache_dtype import BF16_BITS, to_storage
 from llmjax.sampling_params import SamplingParams
-from tests.attention_cases import (Batch, assert_close, naive_gqa, random_cache,
-                                   rng)  # noqa: F401  (rng is a fixture)
+from tests.attention_cases import Batch, assert_close, naive_gqa, random_cache
 from tests.engine_helpers import run_to_completion, tiny_engine
 
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=1e-2, atol=1e-2)}

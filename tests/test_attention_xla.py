@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.attention_cases import (assert_close, make_batch, naive_gqa, naive_mla, random_cache,
-                             rng)  # noqa: F401  (rng is a fixture)
+from tests.attention_cases import assert_close, make_batch, naive_gqa, naive_mla, random_cache
 from llmjax.attention import xla
 from llmjax.attention.cache_dtype import storage_dtype, to_storage
 

@@ -89,6 +89,13 @@ def test_batching_flags_reach_the_config_of_their_policy_and_default_otherwise()
     assert engine_config_from_args(engine_args("--dtype", "float16")).dtype == "float16"
 
 
+@pytest.mark.parametrize("command", [["serve", "tiny-gqa"], ["cluster", "tiny-gqa", "--replicas", "1"]],
+                         ids=lambda c: c[0])
+def test_a_server_refuses_the_multi_host_flags(usage_error, command):
+    usage_error(command + ["--coordinator-address", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "0",
+                           "-tp", "2"], "a server runs on one host")
+
+
 @pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "temperature must be >= 0"),
                                             (["--max-tokens", "0"], "max_tokens"),
                                             (["--top-p", "1.5"], "top_p"),

@@ -22,7 +22,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from tests.attention_cases import make_batch, random_cache, rng  # noqa: F401  (rng is a fixture)
+from tests.attention_cases import make_batch, random_cache
 from llmjax.attention import get_attention_backend, xla
 from pallas_kernels import (flash_attention, flash_prefill, mla_ragged_paged_attention, paged_attention,
                             prefill_segment_starts, ragged_paged_attention)

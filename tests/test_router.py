@@ -616,13 +616,16 @@ def test_cluster_restarts_a_killed_replica_and_loses_no_unstarted_request(tmp_pa
                 cluster.kill()
     assert not _children(cluster.pid)
     log = log_path.read_text()
+    assert cluster.returncode == 0, log  # stopped on purpose
     assert log.count("restarted (pid") == 1, log  # the killed replica; none while the group stopped
     assert "Traceback" not in log, log
 
 
-def test_serve_stops_on_ctrl_c_without_a_traceback(tmp_path):
-    """Ctrl-C (SIGINT to the process group) stops `llmjax serve` with status 0, as uvicorn's own
-    command does; the status the cluster's supervisor reads as a replica stopped on purpose."""
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_serve_stops_on_ctrl_c_or_sigterm_without_a_traceback(stop):
+    """Ctrl-C (SIGINT to the process group) or SIGTERM (systemd's, Kubernetes') stops `llmjax serve`
+    with status 0, as uvicorn's own command does on Ctrl-C; the status the cluster's supervisor reads
+    as a replica stopped on purpose."""
     port = free_port()
     cmd = [sys.executable, "-m", "llmjax.cli", "serve", "tiny-gqa", "--port", str(port), "--no-warmup",
            "--max-model-len", "128", "--kv-cache-memory", str(2 << 20), "--attention-backend", "xla"]
@@ -635,7 +638,7 @@ def test_serve_stops_on_ctrl_c_without_a_traceback(tmp_path):
             except httpx.TransportError:
                 return False
         wait_for(up, timeout=300)
-        os.killpg(server.pid, signal.SIGINT)
+        os.killpg(server.pid, stop)
         output, _ = server.communicate(timeout=60)
     finally:
         if server.poll() is None:

@@ -512,12 +512,15 @@ def _handler(router: Router, path: str, routed: bool):
 
 # --- command line ------------------------------------------------------------------------------------------
 def serve_router(urls: list[str], args: argparse.Namespace) -> None:
-    """Run the router with uvicorn on `args.host:args.port` until interrupted (flags:
+    """Run the router with uvicorn on `args.host:args.port` until Ctrl-C or SIGTERM (flags:
     `routing.add_router_args`, plus `--uvicorn-log-level` and `--timeout-keep-alive`)."""
     import uvicorn
+
+    from llmjax.serve.server import run_until_stopped
 
     app = build_router_app(urls, routing.policy_from_args(args), args.health_check_interval,
                            args.health_check_timeout, args.health_failure_threshold, args.request_timeout)
     print(f"routing ({args.policy}) over {len(urls)} workers at http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    run_until_stopped(uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)))

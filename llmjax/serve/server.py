@@ -17,6 +17,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 from llmjax.cli_types import non_empty, port, positive_seconds
 
 if TYPE_CHECKING:
+    import uvicorn
     from fastapi import FastAPI
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,27 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Terminated(Exception):
+    """SIGTERM, once uvicorn has shut down on it."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated
+
+
+def run_until_stopped(server: uvicorn.Server, **run_kwargs) -> None:
+    """`server.run(**run_kwargs)`, returning once it has shut down on SIGINT (Ctrl-C) or SIGTERM. uvicorn
+    re-raises the signal it stopped on to the handler it found: SIGINT's is Python's KeyboardInterrupt,
+    SIGTERM's is set here (the default one would end the process with status -SIGTERM). Main thread only."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        server.run(**run_kwargs)
+    except (KeyboardInterrupt, _Terminated):
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def serve_app(app: FastAPI, sock: socket.socket, log_level: str = "info",
               timeout_keep_alive: float = KEEP_ALIVE_S) -> int:
     """Serve an app of `build_app` on the bound `sock` (`bind_socket`; closed when it returns) until
@@ -102,9 +125,7 @@ def serve_app(app: FastAPI, sock: socket.socket, log_level: str = "info",
     async_engine = app.state.server.async_engine
     async_engine.on_dead = lambda: setattr(server, "should_exit", True)  # uvicorn polls the flag
     try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on, as `uvicorn.run` absorbs it
-        pass
+        run_until_stopped(server, sockets=[sock])
     finally:
         sock.close()
     if async_engine.error is not None:
