@@ -29,8 +29,8 @@ test: $(STAMP)
 # The CPU results, regenerated in one go (progress bars on stderr), then README's results table from
 # the JSON files. `make results QUICK=1`: a smoke run of each script with --quick, written to
 # build/results-quick/ (results/ and README are left alone). Run on their own: stream_interval.py,
-# bench_client.py, router_overhead.py (servers under load for minutes) and triton_sm90.py (needs
-# triton). GPU results: experiments/gpu_check.py on a GPU machine (results/gpu/).
+# bench_client.py, router_overhead.py (servers under load for minutes), triton_sm90.py (needs
+# triton) and packed_matmul.py (needs a CPU with AMX or AVX512-BF16). GPU results: experiments/gpu_check.py on a GPU machine (results/gpu/).
 QUICK ?=
 Q := $(if $(QUICK),--quick,)
 results: $(STAMP)
@@ -45,6 +45,7 @@ results: $(STAMP)
 	$(BIN)/python experiments/attention_variants.py $(Q)
 	$(BIN)/python experiments/synergy.py $(Q)
 	$(BIN)/python experiments/host_overhead.py $(Q)
+	$(BIN)/python experiments/decode_attention.py $(Q)
 	$(if $(QUICK),,$(BIN)/python experiments/offline_throughput.py)
 	$(if $(QUICK),,$(BIN)/python experiments/offline_throughput.py --workload equal)
 	$(if $(QUICK),,$(BIN)/python experiments/load.py)

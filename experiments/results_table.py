@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -374,9 +375,15 @@ def machine(path: Path) -> str:
     return name
 
 
+def linked(label: str, path: Path) -> str:
+    """The row's label, its link to the results page dropped when nothing was measured (no page yet)."""
+    return label if path.exists() else re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", label)
+
+
 def generate(root: Path = ROOT) -> str:
     lines = ["| experiment | machine | headline |", "| --- | --- | --- |"]
-    lines += [f"| {label} | {machine(root / path)} | {headline(root / path, fmt)} |" for label, path, fmt in ROWS]
+    lines += [f"| {linked(label, root / path)} | {machine(root / path)} | {headline(root / path, fmt)} |"
+              for label, path, fmt in ROWS]
     return "\n".join(lines)
 
 

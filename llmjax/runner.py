@@ -14,8 +14,8 @@ donated, so the KV write and the token counts happen in place and no step copies
 new token still on the device (the scheduler's `token_source`) is read from the previous step's
 sampled tokens inside the step, so step N+1 can be dispatched before step N's tokens reach the
 host (asynchronous scheduling).
-Shapes are the scheduler's buckets (`llmjax.buckets`); `decode_only` and the logprob count are
-static. A step with prompt logprobs to compute (`SchedulerOutput.prompt_targets`) is a variant of
+Shapes are the scheduler's buckets (`llmjax.buckets`); the input layout (one per bucket) and
+`decode_only` are static arguments. A step with prompt logprobs to compute (`SchedulerOutput.prompt_targets`) is a variant of
 its bucket compiled on first use (warm-up leaves it out): it also applies the LM head to every new
 token, `PROMPT_LOGPROB_ROWS` rows at a time, and returns their logprobs. A counter in the traced
 body counts compilations: serving a workload twice compiles nothing the second time. A step's results come back in one device-to-host transfer.
