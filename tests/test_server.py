@@ -927,9 +927,11 @@ def test_api_key_and_cors():
             r = c.post("/v1/completions", json=body, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
             assert c.get("/v1/models", headers=headers).status_code == 401
+            assert c.get("/debug/kv_invariants", headers=headers).status_code == 401  # a pool scan on the loop
         auth = {"Authorization": "Bearer sekrit"}
         assert c.post("/v1/completions", json=body, headers=auth).status_code == 200
         assert c.get("/v1/models", headers=auth).status_code == 200
+        assert c.get("/debug/kv_invariants", headers=auth).status_code == 200
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200  # open
         preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
                      "Access-Control-Request-Headers": "authorization,content-type"}

@@ -385,7 +385,7 @@ class OpenAIServer:
 def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """The app; its lifespan runs the engine loop thread. `app.state.server` is the `OpenAIServer`.
-    `api_key`: required on `/v1/*` when set. `allowed_origins`: CORS origins (none by default)."""
+    `api_key`: required on `/v1/*` and `/debug/*` when set. `allowed_origins`: CORS origins (none by default)."""
     server = OpenAIServer(engine, model_name)
 
     @contextlib.asynccontextmanager

@@ -98,15 +98,18 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class RequireAPIKey:
-    """ASGI middleware: with `api_key` set, HTTP requests to `/v1/...` need `Authorization: Bearer
-    <api_key>` and get a 401 OpenAI error otherwise (compared in constant time)."""
+    """ASGI middleware: with `api_key` set, HTTP requests to `/v1/...` and `/debug/...` (which costs the
+    engine loop a scan of the KV pool) need `Authorization: Bearer <api_key>` and get a 401 OpenAI
+    error otherwise (compared in constant time). CORS preflights (OPTIONS) carry no key and pass."""
+
+    PROTECTED = ("/v1/", "/debug/")
 
     def __init__(self, app, api_key: str):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED) and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 body = json.dumps(error_body("invalid or missing API key (send `Authorization: Bearer <key>`)",
