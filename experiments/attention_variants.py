@@ -247,7 +247,7 @@ def plot(rows: list[dict], runs: dict[str, list[dict]], path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kv-budget-mib", type=float, default=16)
     ap.add_argument("--request-len", type=int, default=256)
     ap.add_argument("--max-batch", type=int, default=64)

@@ -129,7 +129,7 @@ def plot(cpu: dict, sim: dict, path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--rate", type=float, default=16.0, help="CPU trace arrivals per second")
     ap.add_argument("--slots", type=int, default=8)

@@ -88,7 +88,7 @@ def run_one(kind: str, url: str, server_pid: int, payloads: list[dict], concurre
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_stream_args(ap, num_prompts=384, quick_help="one round, 32 streams of 16 tokens")
     args = parse_stream_args(ap, quick=dict(rounds=1, num_prompts=32, concurrency=32, output_len=16))
     rng = np.random.default_rng(args.seed)

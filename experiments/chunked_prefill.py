@@ -95,7 +95,7 @@ def plot(worlds: dict[str, list[dict]], path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", default="64,128,256")
     ap.add_argument("--sim-budgets", default="128,256,512,1024,2048")
     ap.add_argument("--seed", type=int, default=0)

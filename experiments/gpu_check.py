@@ -650,7 +650,7 @@ def run_hf(shape, prompts, outputs, batch, gpu):
 # --- main ------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="run on CPU (kernels in interpret mode)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes and models (CI check)")
     parser.add_argument("--out", help="also write the results here (the GPU call's $OUT)")

@@ -384,7 +384,7 @@ def in_fresh_process(fn, *args):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="64,256,1024")
     ap.add_argument("--steps", type=int, default=25, help="steps per timed block")
     ap.add_argument("--blocks", type=int, default=16, help="timed blocks per mode, sync and async alternating "

@@ -447,7 +447,7 @@ def run_all(cfg, on_rows=None):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes (interpret mode without a GPU; timings are meaningless)")
     args = parser.parse_args()

@@ -358,7 +358,7 @@ def report(args, stats: dict, states: list[dict], health: dict, restarted: bool,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny-gqa")
     parser.add_argument("--duration", type=float, default=45.0, help="seconds of measured load")
     parser.add_argument("--clients", type=int, default=64)

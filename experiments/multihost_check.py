@@ -93,7 +93,7 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--devices-per-process", type=int, default=2)
     parser.add_argument("--preset", action="append", help="tiny model preset (repeatable; default tiny-gqa, tiny-mla)")

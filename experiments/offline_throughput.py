@@ -369,7 +369,7 @@ class LlamaCpp:
 
 # --- the run ------------------------------------------------------------------------------------------
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=("default", "equal"), default="default")
     parser.add_argument("--num-requests", type=int, default=None, help="default: 128 (default), 32 (equal)")
     parser.add_argument("--systems", default="llmjax-default,llmjax-best,hf,llama.cpp")

@@ -395,7 +395,7 @@ def readme_table(text: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="only check that README's table is up to date")
     args = ap.parse_args()
     text, table = README.read_text(), generate()

@@ -53,7 +53,7 @@ def run_one(path: str, urls: dict[str, str], router_pid: int, args: argparse.Nam
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_stream_args(ap, num_prompts=384, quick_help="one round, 32 streams of 16 tokens")
     args = parse_stream_args(ap, quick=dict(rounds=1, num_prompts=32, concurrency=32, output_len=16))
     replica_port = free_port(2)  # the replica's port, then the router's

@@ -418,7 +418,7 @@ def plot(rows: Rows, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny-gqa")
     parser.add_argument("--replicas", type=int, default=4, help="HTTP part: replicas on this machine")
     parser.add_argument("--groups", type=int, default=16, help="HTTP part: prefix groups")

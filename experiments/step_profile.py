@@ -99,7 +99,7 @@ def load_attention_from_git(ref: str):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline-ref", default=None, help="git revision whose attention/xla.py is the baseline")
     parser.add_argument("--cases", default="decode,mixed,prefill")
     parser.add_argument("--repeats", type=int, default=5)

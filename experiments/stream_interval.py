@@ -99,7 +99,7 @@ def plot(rows: list[dict], runs: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_stream_args(ap, num_prompts=512, quick_help="intervals 1 and 4, one round, 64 streams of 32 tokens")
     ap.add_argument("--intervals", default="1,2,4,8")
     ap.add_argument("server_args", nargs="*", help="more flags for the server (after --)")

@@ -124,7 +124,7 @@ def rungs(slots: int, paged_batch: int, chunk: int, kv_bytes: int, gpu: bool) ->
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--hf-requests", type=int, default=0, help="run HF on the first N requests only (0: all)")
     ap.add_argument("--slots", type=int, default=4, help="requests a contiguous max-length KV budget admits")

@@ -160,7 +160,7 @@ def compile_sm90(call: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="default knobs only; written to build/results-quick/")
     args = ap.parse_args()
     try:

@@ -7,7 +7,8 @@ flags whose names appear in the installed jaxlib's binary; the others are skippe
 warning. A flag the user already set in `XLA_FLAGS` is left as the user set it. Once the
 backend is up, the call does nothing (returns None).
 
-`CPU_XLA_FLAGS` is the measured choice (see results/offline_throughput.md for the run):
+`CPU_XLA_FLAGS` is the measured choice (timed on the model's matmul shapes against jaxlib's
+defaults; no results file keeps that run):
 jaxlib 0.10 already sends bfloat16 x bfloat16 -> float32 dots to its YNNPACK fusion, the fastest
 matmul path we found for the mixed-precision model; the oneDNN fusion
 (`--xla_cpu_experimental_onednn_fusion_type=dot`) widens bfloat16 operands to float32 before

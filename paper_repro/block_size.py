@@ -260,7 +260,7 @@ cost model has.
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny-gqa", help="engine model (a preset name, or None for SmolLM2)")
     parser.add_argument("--engine-requests", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=32)

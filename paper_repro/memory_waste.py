@@ -231,7 +231,7 @@ def plot(ours: dict[str, dict[str, float]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--seeds", type=int, default=3, help="traces 0 .. seeds-1")
     parser.add_argument("--quick", action="store_true", help="smoke run: 300 requests, one seed; written to "

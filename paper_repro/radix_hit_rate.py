@@ -450,7 +450,7 @@ in chat its hit rate and time to first token stay close to FCFS's.
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="engine model (default: the embedded SmolLM2-135M)")
     parser.add_argument("--engine-kv-mib", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=8)

@@ -243,7 +243,7 @@ def relation(ours: list[float], theirs: list[float]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=300, help="requests per dataset")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine-requests", type=int, default=40, help="requests of the real engine's part")

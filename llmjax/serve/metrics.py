@@ -4,8 +4,8 @@ Gauges and counters are read at scrape time from the engine loop's `EngineStats`
 per-request histograms and `request_success_total{finished_reason}` are observed when a request
 finishes (`observe_finished`, called on the engine loop thread; prometheus-client is
 thread-safe). Each `ServerMetrics` has its own registry, so several apps (tests, replicas) can
-live in one process. Every sample carries `model_name`. `cache_config_info` (value 1) carries
-the KV cache's configuration in its labels, as vLLM's does.
+live in one process. Every sample carries `model_name`, except `cache_config_info` (value 1),
+which carries the KV cache's configuration in its labels, as vLLM's does.
 
 Prefix-cache queries and hits count tokens, as vLLM's do: queried prompt tokens and the tokens
 found cached. A router reads them, and the running/waiting gauges, from each replica.
