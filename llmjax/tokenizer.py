@@ -9,8 +9,13 @@
 
 from __future__ import annotations
 
+import datetime
+import functools
+import json
 from typing import Any, Sequence
 
+import jinja2
+import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -37,17 +42,37 @@ def _byte_level_alphabet() -> dict[str, int]:
 BYTE_OF_CHAR = _byte_level_alphabet()
 
 
+def _raise_exception(message: str) -> None:
+    raise ValueError(f"chat template error: {message}")
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    """HF's `tojson` filter: plain JSON (Jinja's own escapes HTML characters), with its options."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(template: str) -> jinja2.Template:
+    """`template` compiled in the environment HF's `apply_chat_template` gives templates: sandboxed,
+    `trim_blocks`/`lstrip_blocks`, `{% break %}`/`{% continue %}`, its `tojson`, `raise_exception`
+    and `strftime_now` (Llama 3's templates write today's date with it)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(template)
+
+
 def render_chat_template(template: str, messages: Sequence[Message], add_generation_prompt: bool, **special: Any) -> str:
-    """Render `template` with HF's conventions (`messages`, `add_generation_prompt`, special tokens)."""
-
-    def raise_exception(message: str) -> None:
-        raise ValueError(f"chat template error: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt, **special
-    )
+    """Render `template` as HF does: `messages`, `add_generation_prompt` and the special tokens
+    (`bos_token`, `eos_token`, ...: the tokenizer's `special_tokens_map`)."""
+    return _compiled_template(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                               **special)
 
 
 class Tokenizer:
@@ -115,10 +140,9 @@ class Tokenizer:
     def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
-        return render_chat_template(
-            self.chat_template, messages, add_generation_prompt,
-            bos_token=self.hf.bos_token or "", eos_token=self.hf.eos_token or "",
-        )
+        special = {name: token for name, token in self.hf.special_tokens_map.items() if isinstance(token, str)}
+        return render_chat_template(self.chat_template, messages, add_generation_prompt,
+                                    **{"bos_token": "", "eos_token": "", **special})
 
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
                     add_special_tokens: bool = False, at_most: int | None = None) -> list[int]:

@@ -82,6 +82,31 @@ def test_chat_template_matches_transformers(hf, ours):
         assert tokenizer.encode_chat(messages) == list(expected_ids)
 
 
+# Jinja features HF's apply_chat_template gives templates: its tojson (no HTML escapes, non-ASCII kept),
+# {% break %} / {% continue %}, strftime_now (Llama 3's date line) and every special token by name
+TEMPLATES = [
+    "{% for m in messages %}{{ m['content'] | tojson }}{{ m | tojson(indent=2, sort_keys=true) }}{% endfor %}",
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}{{ m['content'] }}"
+    "{% if loop.index >= 2 %}{% break %}{% endif %}{% endfor %}",
+    "{{ bos_token }}{{ unk_token }}{{ pad_token }}Today: {{ strftime_now('%d %b %Y') }}{{ eos_token }}",
+]
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_template_features_render_as_in_transformers(hf, ours, template):
+    _, hf_tok = hf
+    _, tokenizer = ours
+    messages = [{"role": "system", "content": "<b>héllo</b> & \"ü\""}, {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    expected = hf_tok.apply_chat_template(messages, chat_template=template, tokenize=False)
+    own = tokenizer.chat_template
+    try:
+        tokenizer.chat_template = template
+        assert tokenizer.chat_prompt(messages, add_generation_prompt=False) == expected
+    finally:
+        tokenizer.chat_template = own
+
+
 def test_detokenize_endpoint_inverts_tokenize_special_tokens_included(hf, ours):
     """`/detokenize` of what `/tokenize` gave for a rendered chat (its template's special tokens
     in it) is that text again, and equals transformers' decode of the ids, as vLLM's endpoint."""
