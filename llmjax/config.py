@@ -21,6 +21,10 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_REQUIRED_KEYS = {"default": (), "linear": ("factor",),
+                      "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                      "yarn": ("original_max_position_embeddings",)}
+HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")  # HF's names (ACT2FN)
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")  # the attention kernels read these
 DTYPES = KV_CACHE_DTYPES  # the model's weights and activations: the same three
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.8  # share of an accelerator's memory for weights, activations and KV cache
@@ -52,7 +56,10 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, Any], ...] = ()
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # GQA: q/k/v biases; MLA: q_a/kv_a/o biases (as HF's DeepSeek)
+    attention_out_bias: bool = False  # GQA: an o_proj bias (HF Llama's attention_bias; not Qwen2's)
+    mlp_bias: bool = False
+    hidden_act: str = "silu"  # the MLP's gate activation, one of HIDDEN_ACTS
     attention: Literal["gqa", "mla"] = "gqa"
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -88,6 +95,11 @@ class ModelConfig:
         rope_type = self.rope_params.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+        missing = [key for key in ROPE_REQUIRED_KEYS[rope_type] if key not in self.rope_params]
+        if missing:
+            raise ConfigError(f"rope_type {rope_type!r} needs {', '.join(missing)} in its rope parameters")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ConfigError(f"unsupported hidden_act {self.hidden_act!r}; supported: {HIDDEN_ACTS}")
 
     @property
     def rope_params(self) -> dict[str, Any]:
@@ -172,7 +184,10 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"unknown architecture {arch!r}; llmjax supports {', '.join(SUPPORTED_ARCHITECTURES)}")
     num_layers = hf["num_hidden_layers"]
+    act = hf.get("hidden_act", "silu")
     common = dict(
+        hidden_act="silu" if act == "swish" else act,  # HF's two names of one function
+        mlp_bias=bool(hf.get("mlp_bias", False)),
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"],
@@ -207,23 +222,36 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             qk_nope_head_dim=hf["qk_nope_head_dim"],
             qk_rope_head_dim=hf["qk_rope_head_dim"],
             v_head_dim=hf["v_head_dim"],
-            # DeepSeek-V2's HF code always rotates interleaved pairs (complex multiply); V3 makes it a flag.
-            rope_interleave=bool(hf.get("rope_interleave", arch == "DeepseekV2ForCausalLM")),
+            # DeepSeek-V2's HF code always rotates interleaved pairs (complex multiply); V3 makes it a flag,
+            # true by default
+            rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(hf.get("rope_interleave", True)),
         )
     num_heads = hf["num_attention_heads"]
     return ModelConfig(
         **common,
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-        attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
+        # Qwen2 has q/k/v biases and no o_proj bias; Llama's (and Mistral's) attention_bias is on all four
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+        attention_out_bias=arch != "Qwen2ForCausalLM" and bool(hf.get("attention_bias", False)),
     )
 
 
 def model_config_from_hf_file(path: str | Path) -> ModelConfig:
+    """`model_config_from_hf` of the file; ConfigError (naming the file) for one that is not a JSON object
+    or lacks a key the architecture needs."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no config.json at {path}")
-    return model_config_from_hf(json.loads(path.read_text()))
+    try:
+        hf = json.loads(path.read_text())
+        if not isinstance(hf, dict):
+            raise ConfigError("not a JSON object")
+        return model_config_from_hf(hf)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except (ValueError, KeyError, TypeError) as exc:  # invalid JSON, a missing key, a value of the wrong type
+        raise ConfigError(f"{path} is not a usable config.json: {type(exc).__name__}: {exc}") from None
 
 
 def model_config_from_gguf_metadata(meta: dict[str, Any]) -> ModelConfig:
@@ -244,8 +272,12 @@ def model_config_from_gguf_metadata(meta: dict[str, Any]) -> ModelConfig:
     if not vocab:
         raise ConfigError("GGUF metadata has neither llama.vocab_size nor a token list")
     rope = ()
-    if meta.get(f"{arch}.rope.scaling.type") == "linear":
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling == "linear":
         rope = (("factor", float(get("rope.scaling.factor"))), ("rope_type", "linear"))
+    elif scaling not in (None, "none"):
+        raise ConfigError(f"GGUF RoPE scaling {scaling!r} is not supported (only linear); load the model's HF "
+                          "checkpoint, whose rope_scaling llmjax reads")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         vocab_size=int(vocab),

@@ -4,12 +4,14 @@ Each case saves a randomly initialised HF model with `save_pretrained`, loads it
 safetensors loader, and compares logits on random token batches (float32, max error < 1e-4).
 """
 
+import json
+
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from llmjax.config import ConfigError, model_config_from_hf
+from llmjax.config import ConfigError, model_config_from_gguf_metadata, model_config_from_hf
 from llmjax.models.loader import WeightLoadError, embedded_model_path, load_model
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, max_position_embeddings=512)
@@ -32,6 +34,8 @@ CASES = {
         "rope_type": "linear", "factor": 4.0})),
     "llama-yarn-rope": ("LlamaConfig", dict(LLAMA, num_key_value_heads=2, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
+    "llama-attention-bias": ("LlamaConfig", dict(LLAMA, num_key_value_heads=2, attention_bias=True)),  # o_proj too
+    "llama-mlp-bias-gelu": ("LlamaConfig", dict(LLAMA, num_key_value_heads=2, mlp_bias=True, hidden_act="gelu")),
     "qwen2-bias": ("Qwen2Config", dict(LLAMA, num_key_value_heads=2)),
     "mistral": ("MistralConfig", dict(LLAMA, num_key_value_heads=4, sliding_window=None)),
     "deepseek-v3": ("DeepseekV3Config", dict(DEEPSEEK, q_lora_rank=None)),
@@ -39,6 +43,8 @@ CASES = {
         DEEPSEEK, q_lora_rank=24, rope_interleave=True, rope_scaling=YARN)),
     "deepseek-v3-no-interleave": ("DeepseekV3Config", dict(DEEPSEEK, q_lora_rank=24, rope_interleave=False)),
     "deepseek-v2": ("DeepseekV2Config", dict(DEEPSEEK, q_lora_rank=None)),
+    "deepseek-v2-mlp-bias-tanh-gelu": ("DeepseekV2Config", dict(DEEPSEEK, q_lora_rank=None, mlp_bias=True,
+                                                                hidden_act="gelu_pytorch_tanh")),
 }
 
 
@@ -69,6 +75,61 @@ def test_logits_match_transformers(case, tmp_path):
     if ours.config.attention == "mla":
         absorbed = np.asarray(model(tokens, absorb_mla=True))
         np.testing.assert_allclose(absorbed, expected, atol=1e-4, rtol=0)
+
+
+def test_deepseek_v3_rotates_interleaved_pairs_unless_its_config_says_not(tmp_path):
+    """HF's DeepseekV3 default for `rope_interleave` is true: a config.json without the key means it."""
+    hf_model = _save_hf(tmp_path, "DeepseekV3Config", dict(DEEPSEEK, q_lora_rank=None, rope_interleave=True))
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["rope_interleave"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tokens = np.random.default_rng(0).integers(0, DEEPSEEK["vocab_size"], size=(1, 24))
+    with torch.no_grad():
+        expected = hf_model(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(load_model(str(tmp_path)).module()(tokens)), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_act": "quick_gelu"}, "unsupported hidden_act 'quick_gelu'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs low_freq_factor, high_freq_factor"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "needs factor"),
+])
+def test_model_settings_llmjax_cannot_honour_are_refused(change, message):
+    hf = {**LLAMA, "num_key_value_heads": 2, "architectures": ["LlamaForCausalLM"], **change}
+    with pytest.raises(ConfigError, match=message):
+        model_config_from_hf(hf)
+
+
+def test_gguf_rope_scaling_other_than_linear_is_refused(tmp_path):
+    import gguf
+
+    meta = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 8,
+            "llama.vocab_size": 320, "llama.feed_forward_length": 96, "llama.block_count": 2}
+    with pytest.raises(ConfigError, match="GGUF RoPE scaling 'yarn' is not supported"):
+        model_config_from_gguf_metadata({**meta, "llama.rope.scaling.type": "yarn"})
+    # llama.cpp writes Llama 3's RoPE scaling as a tensor of per-dimension frequency factors
+    writer = gguf.GGUFWriter(str(tmp_path / "llama3.gguf"), "llama")
+    for key, value in meta.items():
+        if key != "general.architecture":
+            writer.add_uint32(key, value)
+    writer.add_tensor("rope_freqs.weight", np.ones(4, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match="rope_freqs.weight"):
+        load_model(str(tmp_path / "llama3.gguf"))
+
+
+def test_a_broken_checkpoint_is_a_clear_error(tmp_path):
+    _save_hf(tmp_path, "LlamaConfig", dict(LLAMA, num_key_value_heads=2))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(WeightLoadError, match="model.safetensors is not a readable safetensors file"):
+        load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="config.json is not a usable config.json: JSONDecodeError"):
+        load_model(str(tmp_path))
 
 
 @pytest.mark.parametrize("config_name,extra,context", [

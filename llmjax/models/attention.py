@@ -143,7 +143,7 @@ class GQAAttention(nnx.Module):
         self.q_proj = linear(cfg.hidden_size, h * d, bias=bias, dtype=dtype, rngs=rngs)
         self.k_proj = linear(cfg.hidden_size, hkv * d, bias=bias, dtype=dtype, rngs=rngs)
         self.v_proj = linear(cfg.hidden_size, hkv * d, bias=bias, dtype=dtype, rngs=rngs)
-        self.o_proj = linear(h * d, cfg.hidden_size, bias=False, dtype=dtype, rngs=rngs)
+        self.o_proj = linear(h * d, cfg.hidden_size, bias=cfg.attention_out_bias, dtype=dtype, rngs=rngs)
         self.rope = RotaryEmbedding(cfg)
         self.shape = (h, hkv, d)
         self.scale = cfg.softmax_scale()

@@ -12,6 +12,7 @@ kernels packed for `llmjax.ops.packed_matmul` (same products and float32 accumul
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from llmjax.config import ModelConfig, yarn_mscale
+from llmjax.config import HIDDEN_ACTS, ModelConfig, yarn_mscale
 from llmjax.ops.packed_matmul import PACKED_NDIM, packed_matmul
 
 
@@ -79,16 +80,24 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * xf.astype(x.dtype)  # float32 x: promoted to float32
 
 
-class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+# HF's activations by name (transformers' ACT2FN): GELU exact, or its tanh approximation
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu": functools.partial(jax.nn.gelu, approximate=False),
+               "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+               "gelu_new": functools.partial(jax.nn.gelu, approximate=True), "relu": jax.nn.relu}
+assert tuple(ACTIVATIONS) == HIDDEN_ACTS  # the names ModelConfig accepts
 
-    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs):
-        self.gate_proj = linear(hidden, intermediate, bias=False, dtype=dtype, rngs=rngs)
-        self.up_proj = linear(hidden, intermediate, bias=False, dtype=dtype, rngs=rngs)
-        self.down_proj = linear(intermediate, hidden, bias=False, dtype=dtype, rngs=rngs)
+
+class MLP(nnx.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)), `act` one of `ACTIVATIONS` (SiLU: SwiGLU); biases with `bias`."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, act: str = "silu", bias: bool = False):
+        self.gate_proj = linear(hidden, intermediate, bias=bias, dtype=dtype, rngs=rngs)
+        self.up_proj = linear(hidden, intermediate, bias=bias, dtype=dtype, rngs=rngs)
+        self.down_proj = linear(intermediate, hidden, bias=bias, dtype=dtype, rngs=rngs)
+        self.act = act
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from llmjax.config import PRESETS, ModelConfig, model_config_from_gguf_metadata, model_config_from_hf_file
+from llmjax.config import (PRESETS, ConfigError, ModelConfig, model_config_from_gguf_metadata,
+                           model_config_from_hf_file)
 from llmjax.models.transformer import Transformer, pack_linear_weights, store_layer_weights
 from llmjax.attention import native
 from llmjax.ops import packed_matmul
@@ -151,29 +152,42 @@ def random_params(cfg: ModelConfig, dtype, seed: int) -> tuple[nnx.GraphDef, nnx
 
 
 def _safetensors_getter(folder: Path) -> Callable[[str], np.ndarray]:
+    """`get(hf_name)` over the folder's safetensors file(s); a corrupt or truncated file, or an index that
+    is not one, raises `WeightLoadError` naming it."""
     from safetensors import safe_open
+
+    def unreadable(path: Path, exc: Exception) -> WeightLoadError:
+        return WeightLoadError(f"{path} is not a readable safetensors file (corrupt or truncated?): {exc}")
 
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = {name: folder / fname for name, fname in weight_map.items()}
+        try:
+            files = {name: folder / fname for name, fname in json.loads(index.read_text())["weight_map"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise WeightLoadError(f"{index} is not a safetensors index: {type(exc).__name__}: {exc}") from None
     else:
         single = folder / "model.safetensors"
         if not single.is_file():
             raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
-        with safe_open(str(single), framework="flax") as f:
-            files = {name: single for name in f.keys()}
+        try:
+            with safe_open(str(single), framework="flax") as f:
+                files = {name: single for name in f.keys()}
+        except Exception as exc:  # safetensors raises its own error types on malformed files
+            raise unreadable(single, exc) from exc
     handles: dict[Path, object] = {}
 
     def get(name: str) -> np.ndarray:
         if name not in files:
             raise WeightLoadError(f"tensor {name} is missing from the safetensors files in {folder}")
         path = files[name]
-        if path not in handles:
-            if not path.is_file():
-                raise FileNotFoundError(f"shard {path} listed in the index is missing")
-            handles[path] = safe_open(str(path), framework="flax")
-        return np.asarray(handles[path].get_tensor(name).astype(jnp.float32))
+        if not path.is_file():
+            raise FileNotFoundError(f"shard {path} listed in the index is missing")
+        try:
+            if path not in handles:
+                handles[path] = safe_open(str(path), framework="flax")
+            return np.asarray(handles[path].get_tensor(name).astype(jnp.float32))
+        except Exception as exc:
+            raise unreadable(path, exc) from exc
 
     return get
 
@@ -283,6 +297,10 @@ def load_model(source: str | None = None, *, dtype=jnp.float32, seed: int = 0) -
     else:
         reader = read_gguf(src.path)
         cfg = model_config_from_gguf_metadata(gguf_metadata(reader))
+        if any(t.name == "rope_freqs.weight" for t in reader.tensors):  # llama.cpp's form of llama3 RoPE
+            raise ConfigError(f"{src.path}: per-dimension RoPE frequency factors (rope_freqs.weight, Llama 3.1+ "
+                              "RoPE scaling) are not supported in GGUF files; load the model's HF checkpoint, "
+                              "whose rope_scaling llmjax reads")
         if any(t.name == "output.weight" for t in reader.tensors):
             cfg = cfg.replace(tie_word_embeddings=False)
         graphdef, params = build_params(cfg, dtype, _gguf_getter(reader, cfg))

@@ -33,7 +33,7 @@ class DecoderLayer(nnx.Module):
         attention_cls = MLAAttention if cfg.attention == "mla" else GQAAttention
         self.self_attn = attention_cls(cfg, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs, cfg.hidden_act, cfg.mlp_bias)
 
     def __call__(self, x, positions, ctx: AttentionContext, layer, cache):
         attn_out, cache = self.self_attn(self.input_layernorm(x), positions, ctx, layer, cache)
