@@ -230,6 +230,41 @@ def test_arrivals_wait_only_between_requests(monkeypatch):
     assert gaps == []
 
 
+def test_late_wake_ups_do_not_push_later_arrivals_back(monkeypatch):
+    """Each sleep wakes 50 ms late (a busy event loop): arrival k still comes at most about that late
+    after its due time (the start plus the first k gaps of the seed's draws), not k times that."""
+    clock = [0.0]
+    started = []
+
+    async def late_sleep(delay, *args):
+        clock[0] += delay + 0.05
+
+    async def nothing():
+        return None
+
+    def job(send):  # called as the job is started
+        started.append(clock[0])
+        return nothing()
+
+    class FakeAsyncio:
+        sleep = staticmethod(late_sleep)
+
+        def __getattr__(self, name):
+            return getattr(asyncio, name)
+
+    class FakeTime:
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+    monkeypatch.setattr(bench_module, "asyncio", FakeAsyncio())
+    monkeypatch.setattr(bench_module, "time", FakeTime())
+    asyncio.run(run_jobs(None, [job] * 20, total=0, request_rate=2.0, max_concurrency=None, seed=0))
+    due = np.concatenate([[0.0], np.cumsum(np.random.default_rng(1).exponential(0.5, size=19))])
+    lateness = np.array(started) - due
+    assert lateness.min() >= 0 and lateness.max() < 0.2, lateness
+
+
 def test_an_unreachable_server_is_an_error():
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))

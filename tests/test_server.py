@@ -644,6 +644,23 @@ def test_continuous_usage_stats(client, path):
     assert counted == {0: 6, 1: 6} and final["completion_tokens"] == 12
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_tokens_without_text_stream_a_chunk_each(client, path):
+    """A token that adds no text (here the tiny tokenizer's BOS, forced by logit_bias) still gets its
+    chunk, as in vLLM, so a client's TTFT and inter-token latency time tokens, and the continuous usage
+    counts every token."""
+    prompt = {"prompt": "The quick"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "The quick"}]}
+    events = stream(client, path, **prompt, max_tokens=5, ignore_eos=True, logit_bias={"1": 100},
+                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = [e for e in events if e["choices"] and "role" not in e["choices"][0].get("delta", {})]
+    texts = [c["choices"][0]["text"] if path == "/v1/completions" else c["choices"][0]["delta"].get("content")
+             for c in chunks]
+    assert len(chunks) == 5 and not any(texts), texts
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4, 5]
+    assert events[-1]["usage"]["completion_tokens"] == 5
+
+
 @pytest.mark.parametrize("method,path,content,status", [
     ("GET", "/no/such/route", None, 404),
     ("GET", "/v1/completions", None, 405),

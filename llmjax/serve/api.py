@@ -263,7 +263,9 @@ class OpenAIServer:
                     if params.logprobs is not None:
                         token_ids = out.prompt_token_ids + token_ids
                         entries = prompt_logprobs[out.request_id] + (entries or [])
-                if not (text or finish_reason or (params.logprobs is not None and token_ids)):
+                # a delta of tokens without text (special tokens, a character still incomplete, text held
+                # back for stop strings) is a chunk too, as in vLLM: its TTFT and ITL time tokens
+                if not (text or finish_reason or token_ids):
                     continue
                 logprobs = None
                 if params.logprobs is not None:  # offsets follow the tokens, not text held back for stop strings
@@ -321,7 +323,7 @@ class OpenAIServer:
         async for out in stream:
             _raise_if_failed(out)
             for c in out.outputs:
-                if not (c.text or c.finished or (params.logprobs is not None and c.token_ids)):
+                if not (c.text or c.finished or c.token_ids):  # see `_completion_chunks`
                     continue
                 usage = None
                 if body.continuous_usage:
