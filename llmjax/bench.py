@@ -17,7 +17,9 @@ Arrivals: a Poisson process at `--request-rate` (inf: all at once), and at most
 `--max-concurrency` requests in flight. Every request is a streamed `/v1/completions` call
 with `ignore_eos`, so output lengths are as drawn, each on a connection of its own;
 prompts are token-id lists, or text (`--prompt-format text`, the ids rendered by the server's
-`/detokenize`).
+`/detokenize`, cut until the server's `/tokenize` counts at most the tokens drawn). A request's
+lengths are cut to fit `max_model_len` (its output to at most half of it); the run says how many
+were (`capped_requests`).
 
 Reports TTFT, TPOT (per output token after the first), ITL (between streamed chunks) and
 end-to-end latency (to `data: [DONE]`) (mean, p50, p90, p99, in ms), request and token throughput
@@ -26,7 +28,7 @@ over the run (the first request sent to the last one finished), streamed chunks
 (requests per second meeting every `--goodput` SLO, e.g. `--goodput ttft:500 tpot:50`).
 Prints a table (and the distinct errors of failed requests); `--result-file` writes the same as JSON.
 `BenchError` when the server cannot be used (unreachable, no model card with a `max_model_len` at
-`/v1/models`, a `/detokenize` that gives no text); the command line then exits with `error: ...`, as it
+`/v1/models`, a `/detokenize` or `/tokenize` that gives no answer); the command line then exits with `error: ...`, as it
 does when every request failed. `--api-key` (default `$OPENAI_API_KEY`) is sent with every request.
 
 The streams go through aiohttp, whose C parsers spend about a third of the CPU per SSE event that
@@ -41,6 +43,7 @@ import asyncio
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -170,12 +173,13 @@ Job = Callable[[Callable[[dict], Awaitable[RequestResult]]], Awaitable[None]]
 class Workload:
     """Builds the list of jobs (one request, or one conversation) from the arguments."""
 
-    def __init__(self, args: argparse.Namespace, max_model_len: int, detokenize: Callable[[list[int]], str]):
+    def __init__(self, args: argparse.Namespace, max_model_len: int, to_text: Callable[[list[int]], str]):
         self.args = args
         self.max_len = max_model_len
         self.rng = np.random.default_rng(args.seed)
-        self.detokenize = detokenize
+        self.to_text = to_text  # `text_prompter`'s
         self.unsent_turns = 0  # multiturn: turns of conversations that stopped early
+        self.capped = 0  # requests whose drawn lengths were cut to fit max_model_len
 
     def _ids(self, n: int) -> list[int]:
         lo, hi = self.args.token_range
@@ -186,11 +190,13 @@ class Workload:
         return int(self.rng.integers(max(1, math.floor(mean * (1 - r))), math.ceil(mean * (1 + r)) + 1))
 
     def _fit(self, n_in: int, n_out: int) -> tuple[int, int]:
-        n_out = max(1, min(n_out, self.max_len // 2))
-        return max(1, min(n_in, self.max_len - n_out)), n_out
+        fit_out = max(1, min(n_out, self.max_len // 2))
+        fit_in = max(1, min(n_in, self.max_len - fit_out))
+        self.capped += (fit_in, fit_out) != (n_in, n_out)
+        return fit_in, fit_out
 
     def _prompt(self, ids: list[int]) -> list[int] | str:
-        return self.detokenize(ids) if self.args.prompt_format == "text" else ids
+        return self.to_text(ids) if self.args.prompt_format == "text" else ids
 
     def _lengths(self, n: int) -> list[tuple[int, int]]:
         """(input, output) lengths of n requests."""
@@ -227,7 +233,7 @@ class Workload:
 
     def _conversation(self) -> Job:
         turns = self._lengths(self.args.turns)
-        users = [self.detokenize(self._ids(n_in)) for n_in, _ in turns]
+        users = [self.to_text(self._ids(n_in)) for n_in, _ in turns]
 
         async def job(send):
             history, used = "", 0
@@ -355,20 +361,32 @@ async def model_card(session: aiohttp.ClientSession, base_url: str) -> dict:
         raise BenchError(f"GET {base_url}/v1/models lists no model: {str(body)[:200]}") from None
 
 
-def detokenizer(base_url: str, api_key: str | None) -> Callable[[list[int]], str]:
-    """Text of token ids from the server's `/detokenize`; BenchError when it does not give one."""
-    def detokenize(ids: list[int]) -> str:
+def text_prompter(base_url: str, api_key: str | None) -> Callable[[list[int]], str]:
+    """`to_text(ids)`: a text prompt of at most len(ids) tokens as the server counts them. The ids' text
+    (the server's `/detokenize`) re-tokenizes differently (the server adds its BOS, BPE merges across
+    the ids' boundaries), so ids are dropped from the end until the server's `/tokenize` count fits,
+    as vLLM's benchmark re-encodes and truncates. BenchError when either endpoint gives no answer."""
+    def post(path: str, body: dict, key: str):
         try:
-            response = httpx.post(f"{base_url}/detokenize", json={"tokens": ids}, headers=auth_headers(api_key))
+            response = httpx.post(f"{base_url}{path}", json=body, headers=auth_headers(api_key))
             if response.status_code == 200:
-                return response.json()["prompt"]
+                return response.json()[key]
             problem = f"answered {response.status_code}: {response.text[:200]}"
         except httpx.HTTPError as exc:
             problem = f"failed: {exc}"
         except (ValueError, KeyError, TypeError):
-            problem = f"answered no prompt: {response.text[:200]}"
-        raise BenchError(f"POST {base_url}/detokenize {problem}")
-    return detokenize
+            problem = f"answered no {key}: {response.text[:200]}"
+        raise BenchError(f"POST {base_url}{path} {problem}")
+
+    def to_text(ids: list[int]) -> str:
+        budget = len(ids)
+        while True:
+            text = post("/detokenize", {"tokens": ids}, "prompt")
+            excess = len(post("/tokenize", {"prompt": text}, "tokens")) - budget
+            if excess <= 0 or len(ids) <= 1:
+                return text
+            ids = ids[: max(1, len(ids) - excess)]
+    return to_text
 
 
 async def _bench(args: argparse.Namespace) -> dict:
@@ -381,10 +399,14 @@ async def _bench(args: argparse.Namespace) -> dict:
             raise BenchError(f"the model card of {args.base_url}/v1/models gives no max_model_len (vLLM's and "
                              f"llmjax's do): {str(card)[:200]}")
         # called while the jobs are built, before any request runs
-        workload = Workload(args, max_model_len, detokenizer(args.base_url, args.api_key))
+        workload = Workload(args, max_model_len, text_prompter(args.base_url, args.api_key))
         jobs, total = workload.jobs()
+        if workload.capped:
+            print(f"note: {workload.capped} requests' drawn lengths were cut to fit max_model_len {max_model_len} "
+                  "(the output to at most half of it)", file=sys.stderr, flush=True)
         results, duration = await run_jobs(session, jobs, total, args.request_rate, args.max_concurrency, args.seed)
     summary = summarize(results, duration, slos)
+    summary["capped_requests"] = workload.capped
     if args.dataset == "multiturn":
         summary["unsent_turns"] = workload.unsent_turns
     summary.update(dataset=args.dataset, request_rate=args.request_rate, max_concurrency=args.max_concurrency,

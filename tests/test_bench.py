@@ -292,6 +292,18 @@ def test_a_run_where_every_request_failed_exits_with_an_error(base_url, tmp_path
     assert json.loads(result.read_text())["failed"] == 3
 
 
+def test_text_prompts_that_fill_the_context_fit_it(base_url, capsys):
+    """Asked for more than the context holds, every request is cut to fit and said to be: output at
+    most half the context, the prompt the rest, counted as the server counts the text (its BOS
+    included), so none is refused."""
+    summary = bench(base_url, "--num-prompts", "3", "--random-input-len", "300", "--random-output-len", "100",
+                    "--prompt-format", "text")
+    assert (summary["completed"], summary["failed"], summary["capped_requests"]) == (3, 0, 3)
+    assert summary["total_output_tokens"] == 3 * (MAX_MODEL_LEN // 2)
+    assert summary["total_input_tokens"] <= 3 * (MAX_MODEL_LEN - MAX_MODEL_LEN // 2)
+    assert "3 requests' drawn lengths were cut to fit max_model_len 128" in capsys.readouterr().err
+
+
 def test_an_api_key_is_sent_with_every_request(monkeypatch):
     """A server started with `--api-key` (text prompts: `/detokenize` too); none given, its 401 is the error."""
     engine = tiny_engine(max_num_seqs=4, kv_cache_memory_bytes=2 << 20, max_model_len=MAX_MODEL_LEN)

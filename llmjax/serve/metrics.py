@@ -25,8 +25,11 @@ from llmjax.serve.async_engine import EngineStats
 
 PREFIX = "llmjax:"
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# vLLM's buckets: token latencies (TTFT, ITL) from 1 ms, a request's phases and whole life up to ~2 hours
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                   10.0, 20.0, 40.0, 80.0, 160.0)
+                   10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
 
 
 class _EngineCollector:
@@ -89,11 +92,13 @@ class ServerMetrics:
 
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive generated tokens.")
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish, for requests not aborted.")
-        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
-        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first generated token.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish, for requests not aborted.",
+                             REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first generated token.",
+                                      REQUEST_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds",
-                                     "First generated token to finish, for requests not aborted.")
+                                     "First generated token to finish, for requests not aborted.", REQUEST_BUCKETS)
         tokens = token_buckets(max_model_len)
         self.prompt_tokens = histogram("request_prompt_tokens", "Prompt length of finished requests.", tokens)
         self.generation_tokens = histogram("request_generation_tokens", "Tokens generated per finished request.",
