@@ -20,10 +20,12 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# HF's rope types, and "freq_factors": llama.cpp's per-frequency divisors (a GGUF's rope_freqs.weight,
+# how its converter writes Llama 3's RoPE scaling)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
 ROPE_REQUIRED_KEYS = {"default": (), "linear": ("factor",),
                       "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                      "yarn": ("original_max_position_embeddings",)}
+                      "yarn": ("original_max_position_embeddings",), "freq_factors": ("factors",)}
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")  # HF's names (ACT2FN)
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")  # the attention kernels read these
 DTYPES = KV_CACHE_DTYPES  # the model's weights and activations: the same three
@@ -98,6 +100,9 @@ class ModelConfig:
         missing = [key for key in ROPE_REQUIRED_KEYS[rope_type] if key not in self.rope_params]
         if missing:
             raise ConfigError(f"rope_type {rope_type!r} needs {', '.join(missing)} in its rope parameters")
+        if rope_type == "freq_factors" and len(self.rope_params["factors"]) != self.rope_dim // 2:
+            raise ConfigError(f"{len(self.rope_params['factors'])} RoPE frequency factors for {self.rope_dim // 2} "
+                              "rotated pairs")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ConfigError(f"unsupported hidden_act {self.hidden_act!r}; supported: {HIDDEN_ACTS}")
 

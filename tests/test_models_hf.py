@@ -100,25 +100,70 @@ def test_model_settings_llmjax_cannot_honour_are_refused(change, message):
         model_config_from_hf(hf)
 
 
-def test_gguf_rope_scaling_other_than_linear_is_refused(tmp_path):
-    import gguf
-
+def test_gguf_rope_scaling_other_than_linear_is_refused():
     meta = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 8,
             "llama.vocab_size": 320, "llama.feed_forward_length": 96, "llama.block_count": 2}
     with pytest.raises(ConfigError, match="GGUF RoPE scaling 'yarn' is not supported"):
         model_config_from_gguf_metadata({**meta, "llama.rope.scaling.type": "yarn"})
-    # llama.cpp writes Llama 3's RoPE scaling as a tensor of per-dimension frequency factors
+
+
+def _llama_cpp_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """Llama 3's RoPE scaling as llama.cpp's converter writes it (rope_freqs.weight): per rotated pair,
+    the divisor of its frequency, from HF's `rope_scaling` (llama3) parameters."""
+    inv_freq = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    old, lo, hi, factor = (rope[k] for k in ("original_max_position_embeddings", "low_freq_factor",
+                                             "high_freq_factor", "factor"))
+    smooth = (old / wavelen - lo) / (hi - lo)
+    return np.where(wavelen < old / hi, 1.0, np.where(wavelen > old / lo, factor, 1 / ((1 - smooth) / factor + smooth)))
+
+
+def test_a_llama3_gguf_with_rope_frequency_factors_matches_transformers(tmp_path):
+    """A GGUF as llama.cpp's converter writes a Llama 3 model (q/k rows permuted, the RoPE scaling as a
+    rope_freqs.weight tensor, no rope.scaling keys) gives the HF model's logits."""
+    import gguf
+
+    config_name, kwargs = CASES["llama3-rope"]
+    hf_model = _save_hf(tmp_path / "hf", config_name, kwargs)
+    cfg, heads, kv_heads = hf_model.config, kwargs["num_attention_heads"], kwargs["num_key_value_heads"]
+    head_dim = kwargs["hidden_size"] // heads
     writer = gguf.GGUFWriter(str(tmp_path / "llama3.gguf"), "llama")
-    for key, value in meta.items():
-        if key != "general.architecture":
-            writer.add_uint32(key, value)
-    writer.add_tensor("rope_freqs.weight", np.ones(4, np.float32))
+    writer.add_context_length(kwargs["max_position_embeddings"])
+    writer.add_embedding_length(kwargs["hidden_size"])
+    writer.add_block_count(kwargs["num_hidden_layers"])
+    writer.add_feed_forward_length(kwargs["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(kwargs["rms_norm_eps"])
+    writer.add_rope_freq_base(kwargs["rope_theta"])
+    writer.add_vocab_size(kwargs["vocab_size"])
+    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+                 "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in hf_model.state_dict().items():
+        w = tensor.float().numpy()
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.removesuffix(".weight").split(".", 3)
+            n = {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads}.get(rest)
+            if n:  # llama.cpp's row order for its RoPE
+                w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+            name = f"blk.{layer}.{per_layer[rest]}.weight"
+        else:
+            name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight"}[name]
+        writer.add_tensor(name, np.ascontiguousarray(w))
+    rope = {**(getattr(cfg, "rope_parameters", None) or cfg.rope_scaling), "rope_theta": kwargs["rope_theta"]}
+    writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_factors(rope, head_dim).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ConfigError, match="rope_freqs.weight"):
-        load_model(str(tmp_path / "llama3.gguf"))
+    ours = load_model(str(tmp_path / "llama3.gguf"))
+    assert ours.config.rope_params["rope_type"] == "freq_factors"
+    tokens = np.random.default_rng(0).integers(0, kwargs["vocab_size"], size=(1, 48))
+    with torch.no_grad():
+        expected = hf_model(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours.module()(tokens)), expected, atol=1e-4, rtol=0)
 
 
 def test_a_broken_checkpoint_is_a_clear_error(tmp_path):

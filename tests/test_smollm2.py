@@ -282,14 +282,14 @@ def test_engine_bfloat16_greedy_agrees_with_hf_bfloat16(hf):
                                                        kv_cache_memory_bytes=64 << 20))
     assert engine.runner.cache[0].dtype.itemsize == 2  # the KV cache follows the weights
     prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:5]]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     done = {out.request_id: out.outputs[0].token_ids for out in drain(engine, ids)}
     equal = 0
     for rid, prompt in zip(ids, prompts):
         ours = done[rid]
         with torch.no_grad():
-            out = hf16.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+            out = hf16.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
                                 pad_token_id=0, eos_token_id=None)
         theirs = out[0, len(prompt):].tolist()
         i = _first_divergence(ours, theirs)

@@ -1,5 +1,4 @@
-"""Tensor parallelism: greedy outputs on 2 or 4 CPU devices equal the one-device outputs and a dense
-reference, the weights and cache really are sharded, the step is partitioned, and bad sizes fail clearly.
+"""Tensor parallelism: greedy outputs on 2 or 4 CPU devices equal a dense one-device reference, the weights and cache really are sharded, the step is partitioned, and bad sizes fail clearly.
 
 The multi-device runs happen in subprocesses (`tests/tp_check.py`) started with
 `XLA_FLAGS=--xla_force_host_platform_device_count=4`, because this process's JAX has one CPU device.
@@ -25,8 +24,9 @@ from llmjax.models.loader import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 # tiny-gqa has 2 KV heads: TP 4 replicates them (TP 2, one KV head a device, is tiny-mla's size); each
-# size is a compilation of every step shape in its subprocess, which is most of this module's time
-SIZES = {"tiny-gqa": (1, 4), "tiny-mla": (1, 2)}
+# size is a compilation of every step shape in its subprocess, which is most of this module's time, so
+# one size each, against the dense reference computed on one device
+SIZES = {"tiny-gqa": (4,), "tiny-mla": (2,)}
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +47,10 @@ def runs():
 
 
 @pytest.mark.parametrize("preset", sorted(SIZES))
-def test_greedy_outputs_equal_one_device(runs, preset):
-    by_tp = runs[preset]
-    for tp, r in by_tp.items():
+def test_greedy_outputs_equal_the_one_device_dense_reference(runs, preset):
+    for tp, r in runs[preset].items():
         assert r["devices"] == 4
         assert r["mismatch"] is None, f"TP {tp}: {r['mismatch']}"
-        assert r["tokens"] == by_tp[1]["tokens"], f"TP {tp} differs from TP 1"
         assert r["second_run_equal"] and r["second_run_compiles"] == 0, f"TP {tp} recompiled on a rerun"
         assert r["cache_donated"], f"TP {tp}: the cache was copied, not donated"
         assert r["prompt_logprob_error"] < 2e-5, f"TP {tp}: prompt logprobs off by {r['prompt_logprob_error']}"
@@ -61,7 +59,7 @@ def test_greedy_outputs_equal_one_device(runs, preset):
 @pytest.mark.parametrize("preset", sorted(SIZES))
 def test_weights_and_cache_are_sharded(runs, preset):
     cfg = PRESETS[preset]
-    for tp in SIZES[preset][1:]:
+    for tp in SIZES[preset]:
         r = runs[preset][tp]
         params = r["params"]
         assert params["embed_tokens/embedding"] == "P('tp', None)"
@@ -82,13 +80,12 @@ def test_weights_and_cache_are_sharded(runs, preset):
             assert r["cache_shard_shape"][3] == kv_heads // tp
         # Megatron: per layer one all-reduce after o_proj and one after down_proj (in the scan body)
         assert r["collectives"]["all-reduce"] >= 2
-    assert sum(runs[preset][1]["collectives"].values()) == 0
 
 
 def test_pallas_fresh_prefill_attention_runs_per_device(runs):
     """The flash path (a fresh prefill's attention on the new tokens' K and V) is under `shard_map`
     like the paged kernels: no collective, the unsharded call's values."""
-    for tp in SIZES["tiny-gqa"][1:]:
+    for tp in SIZES["tiny-gqa"]:
         r = runs["tiny-gqa"][tp]["flash_prefill"]
         assert sum(r["collectives"].values()) == 0, r["collectives"]
         assert r["error"] < 1e-6

@@ -103,7 +103,8 @@ class MLP(nnx.Module):
 def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     """Inverse frequencies `[rope_dim // 2]` and the cos/sin scale, for the rope types HF configs use.
 
-    default: theta^(-2i/d); linear: divided by `factor`; llama3: low frequencies divided by `factor`
+    default: theta^(-2i/d); linear: divided by `factor`; freq_factors: frequency i divided by
+    `factors[i]` (llama.cpp's rope_freqs); llama3: low frequencies divided by `factor`
     with a smooth band between `low_freq_factor` and `high_freq_factor`; yarn: interpolation blended
     with extrapolation over the correction range given by `beta_fast`/`beta_slow`, and cos/sin scaled
     by the attention factor.
@@ -116,6 +117,8 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     scale = 1.0
     if kind == "linear":
         inv_freq = inv_freq / params["factor"]
+    elif kind == "freq_factors":
+        inv_freq = inv_freq / np.asarray(params["factors"], np.float64)
     elif kind == "llama3":
         factor, old_len = params["factor"], params["original_max_position_embeddings"]
         low, high = params["low_freq_factor"], params["high_freq_factor"]

@@ -248,6 +248,20 @@ def gguf_metadata(reader) -> dict:
     return meta
 
 
+def _with_rope_freqs(reader, cfg: ModelConfig, path: Path) -> ModelConfig:
+    """`cfg` with the file's `rope_freqs.weight`, if it has one: llama.cpp's converter writes Llama 3's
+    RoPE scaling as these per-frequency divisors (and no rope.scaling keys)."""
+    [tensor] = [t for t in reader.tensors if t.name == "rope_freqs.weight"] or [None]
+    if tensor is None:
+        return cfg
+    if cfg.rope_scaling:
+        raise ConfigError(f"{path}: both RoPE scaling {cfg.rope_params['rope_type']!r} and rope_freqs.weight")
+    import gguf
+
+    factors = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float64).reshape(-1)
+    return cfg.replace(rope_scaling=(("factors", tuple(factors.tolist())), ("rope_type", "freq_factors")))
+
+
 def _gguf_getter(reader, cfg: ModelConfig) -> Callable[[str], np.ndarray]:
     import gguf
 
@@ -297,10 +311,7 @@ def load_model(source: str | None = None, *, dtype=jnp.float32, seed: int = 0) -
     else:
         reader = read_gguf(src.path)
         cfg = model_config_from_gguf_metadata(gguf_metadata(reader))
-        if any(t.name == "rope_freqs.weight" for t in reader.tensors):  # llama.cpp's form of llama3 RoPE
-            raise ConfigError(f"{src.path}: per-dimension RoPE frequency factors (rope_freqs.weight, Llama 3.1+ "
-                              "RoPE scaling) are not supported in GGUF files; load the model's HF checkpoint, "
-                              "whose rope_scaling llmjax reads")
+        cfg = _with_rope_freqs(reader, cfg, src.path)
         if any(t.name == "output.weight" for t in reader.tensors):
             cfg = cfg.replace(tie_word_embeddings=False)
         graphdef, params = build_params(cfg, dtype, _gguf_getter(reader, cfg))

@@ -18,6 +18,7 @@ import ipaddress
 import logging
 import os
 import signal
+import threading
 import socket
 import sys
 from typing import TYPE_CHECKING
@@ -101,14 +102,17 @@ def _raise_terminated(signum, frame) -> None:
 def run_until_stopped(server: uvicorn.Server, **run_kwargs) -> None:
     """`server.run(**run_kwargs)`, returning once it has shut down on SIGINT (Ctrl-C) or SIGTERM. uvicorn
     re-raises the signal it stopped on to the handler it found: SIGINT's is Python's KeyboardInterrupt,
-    SIGTERM's is set here (the default one would end the process with status -SIGTERM). Main thread only."""
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    SIGTERM's is set here (the default one would end the process with status -SIGTERM). Signals reach
+    the main thread only: in another thread (tests) uvicorn captures none and this sets none."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
     try:
         server.run(**run_kwargs)
     except (KeyboardInterrupt, _Terminated):
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def serve_app(app: FastAPI, sock: socket.socket, log_level: str = "info",
