@@ -12,7 +12,10 @@ from tests.test_engine import CONFIGS, PROMPTS
 from tests.test_engine_faults import fail_once
 
 PREEMPTING = {"preemption": None}  # kv budget filled in per preset: 24 usable blocks of 8 tokens
-CASES = [("tiny-gqa", c) for c in sorted(CONFIGS) + list(PREEMPTING)] + \
+# one config of each way the schedule changes (test_engine.py runs every config synchronously): whole
+# prompts, chunks, one row, static and dynamic batches, queue order, preemption
+CASES = [("tiny-gqa", c) for c in ("continuous", "no-chunked-prefill", "chunk-16", "max-seqs-1", "static", "dynamic",
+                                   "lpm", "preemption")] + \
         [("tiny-mla", c) for c in ("continuous", "chunk-16", "preemption")]
 
 

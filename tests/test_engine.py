@@ -40,7 +40,12 @@ def reference(request):
     return request.param, [dense_greedy(engine, p, GREEDY.max_tokens) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS))
+# every config on tiny-gqa; on tiny-mla (its attention, not its scheduling, differs) one of each kind
+CASES = [("tiny-gqa", c) for c in sorted(CONFIGS)] + \
+        [("tiny-mla", c) for c in ("continuous", "no-chunked-prefill", "chunk-16", "max-seqs-4", "static", "lpm")]
+
+
+@pytest.mark.parametrize("reference, config", CASES, indirect=["reference"])
 def test_greedy_equals_dense_reference(reference, config):
     preset, expected = reference
     engine = tiny_engine(preset, **CONFIGS[config])

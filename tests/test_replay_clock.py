@@ -16,7 +16,7 @@ HOUR = 3600.0
 
 
 def test_a_compiling_steps_stall_shows_in_no_request_time(monkeypatch):
-    engine = tiny_engine()
+    engine = tiny_engine(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)  # few warm-up shapes
     engine.warmup()  # no real compile during the replay: the faked one is the only stall
     offset = [0.0]
     real_monotonic = time.monotonic
