@@ -31,8 +31,11 @@ def check_engine_args(args: argparse.Namespace) -> None:
 
 def check_generate_args(args: argparse.Namespace) -> None:
     """UsageError for an engine flag that would have no effect on one whole answer: the stream
-    interval (nothing is streamed) and the queue order (one request never queues behind another)."""
+    interval (nothing is streamed), the queue order and the batching policy (one request never
+    queues behind another, and its batch is itself)."""
     default = EngineConfig()
+    if args.scheduling_policy != default.scheduling_policy:
+        raise UsageError("--scheduling-policy has no effect on generate: its one request is its whole batch")
     if args.stream_interval != default.stream_interval:
         raise UsageError("--stream-interval has no effect on generate: its answer is not streamed")
     if args.queue_order != default.queue_order:
@@ -46,6 +49,14 @@ def check_single_host(args: argparse.Namespace) -> None:
     if args.coordinator_address != default.coordinator_address or args.num_processes != default.num_processes:
         raise UsageError("--coordinator-address and --num-processes are for generate and the LLM API: a server "
                          "runs on one host (run one tensor-parallel engine per host behind the router)")
+
+
+def check_server_policy(args: argparse.Namespace) -> None:
+    """UsageError for static batching on a server (see `async_engine.STATIC_ON_SERVER`)."""
+    from llmjax.serve.async_engine import STATIC_ON_SERVER
+
+    if args.scheduling_policy == "static":
+        raise UsageError(STATIC_ON_SERVER)
 
 
 def sampling_params_from_args(args: argparse.Namespace):
@@ -121,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     add_engine_args(serve)
     add_serve_args(serve)
-    serve.set_defaults(func=cmd_serve, checks=(check_engine_args, check_single_host))
+    serve.set_defaults(func=cmd_serve, checks=(check_engine_args, check_single_host, check_server_policy))
 
     from llmjax.bench import add_bench_args, check_bench_args
 
@@ -154,8 +165,8 @@ def main(argv: list[str] | None = None) -> None:
                          help="seconds every replica has to answer /health with 200 (default: %(default)s)")
     add_serve_args(cluster, address=False)  # the replicas' flags
     add_router_args(cluster)
-    cluster.set_defaults(func=cmd_cluster, checks=(check_engine_args, check_single_host, check_router_args,
-                                                   check_cluster_args))
+    cluster.set_defaults(func=cmd_cluster, checks=(check_engine_args, check_single_host, check_server_policy,
+                                                   check_router_args, check_cluster_args))
 
     args = parser.parse_args(argv)
     try:

@@ -348,7 +348,8 @@ class EngineConfig:
     here the combination is refused). `dtype` is one of `DTYPES` (None: `loader.default_dtype()`).
     `max_num_batched_tokens` is at least `max_num_seqs`, as vLLM requires (every running sequence
     gets its next token each step), and without chunked prefill at least `max_model_len` (a whole
-    prompt runs in one step). `attention_backend`, `compilation_cache_dir` and `coordinator_address`
+    prompt runs in one step). Static and dynamic batches run all their members at once:
+    `batch_size` is at most `max_num_seqs`. `attention_backend`, `compilation_cache_dir` and `coordinator_address`
     are None for their default, never empty.
     """
 
@@ -416,6 +417,10 @@ class EngineConfig:
                 raise ConfigError("gpu_memory_utilization must be in (0, 1]")
             if self.kv_cache_memory_bytes is not None:
                 raise ConfigError("kv_cache_memory_bytes and gpu_memory_utilization both size the KV cache: give one")
+        if self.scheduling_policy != "continuous" and self.batch_size > self.max_num_seqs:
+            raise ConfigError(  # else members past max_num_seqs would join mid-batch: continuous batching
+                f"a {self.scheduling_policy} batch runs all its requests at once: "
+                f"batch_size ({self.batch_size}) > max_num_seqs ({self.max_num_seqs})")
         if not 0 <= self.max_delay < math.inf:
             raise ConfigError(f"max_delay must be a finite number of seconds >= 0, got {self.max_delay}")
         if self.seed < 0:

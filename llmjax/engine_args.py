@@ -30,7 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", type=non_empty, default=None,
                         help="'smollm2' (default, the embedded model), a preset (tiny-gqa, ...), a .gguf file "
                              "or a HF folder")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help=f"tokens per step (default: {d.max_num_batched_tokens}; without chunked prefill "
+                             "max_model_len when that is larger, so a whole prompt fits a step, as in vLLM)")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
@@ -50,7 +52,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling-policy", choices=["continuous", "static", "dynamic"], default=d.scheduling_policy)
     parser.add_argument("--queue-order", choices=["fcfs", "lpm"], default=d.queue_order)
     parser.add_argument("--batch-size", type=int, default=None,
-                        help=f"static/dynamic batching: requests per batch (default: {d.batch_size})")
+                        help=f"static/dynamic batching: requests per batch, at most --max-num-seqs "
+                             f"(default: {d.batch_size}, or --max-num-seqs when smaller)")
     parser.add_argument("--max-delay", type=float, default=None,
                         help=f"dynamic batching: seconds a batch waits to fill (default: {d.max_delay})")
     parser.add_argument("--attention-backend", choices=BACKENDS, default=d.attention_backend,
@@ -77,12 +80,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """`EngineConfig` from the parsed flags: one per dataclass field (AttributeError if one is missing).
     `ConfigError` for an invalid config, and for a `POLICY_FLAGS` flag given to a policy that does not
-    read it."""
+    read it. Defaults that depend on other flags: the token budget without chunked prefill covers
+    `max_model_len`; `batch_size` is at most `max_num_seqs`."""
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     values = {name: getattr(args, name) for name in fields}
+    if values["max_num_batched_tokens"] is None:
+        budget = fields["max_num_batched_tokens"].default
+        values["max_num_batched_tokens"] = budget if values["enable_chunked_prefill"] else \
+            max(budget, values["max_model_len"])
     for name, (flag, policies) in POLICY_FLAGS.items():
         if values[name] is None:
             values[name] = fields[name].default
+            if name == "batch_size":
+                values[name] = min(values[name], values["max_num_seqs"])
         elif values["scheduling_policy"] not in policies:
             raise ConfigError(f"{flag} applies to --scheduling-policy {' or '.join(policies)} only, "
                               f"not {values['scheduling_policy']}")

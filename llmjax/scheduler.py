@@ -8,8 +8,10 @@ Plain Python and numpy, no JAX. Policies (`EngineConfig.scheduling_policy`):
   prefill a prompt longer than the remaining budget is split, so prefill chunks and decodes
   share a step; running decodes are scheduled before any new chunk, so a chunk never starves them.
 - static: a batch of `batch_size` requests forms when that many have arrived (or the input is
-  closed) and runs until its longest member finishes; then the next batch forms.
-- dynamic: static, but a batch also leaves after `max_delay` seconds even when not full.
+  closed) and runs until its longest member finishes; then the next batch forms. The samples of
+  a request with n > 1 all belong to its batch. A server never closes its input, so it refuses
+  this policy (a partial batch would wait forever): dynamic is static with a deadline.
+- dynamic: static, but a batch also leaves once its oldest request has waited `max_delay` seconds.
 
 When the KV pool runs out, the most recently admitted running request is preempted (recompute):
 its blocks are freed (full pages go to the prefix cache) and it returns to the front of the
@@ -151,8 +153,12 @@ class Scheduler:
             self._last_token = np.zeros(rows, np.int32)  # the row's last token known on the host
 
     # --- queue changes -------------------------------------------------------------------
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, sibling: Request | None = None) -> None:
+        """Queue `request`. `sibling`: a sample of the same request already admitted (samples past the
+        first wait for its prompt); under static/dynamic batching it joins that sample's batch."""
         self.waiting.append(request)
+        if sibling is not None and sibling.key in self.batch:
+            self.batch.add(request.key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -362,9 +368,14 @@ class Scheduler:
             return
         size = self.config.batch_size
         full = len(self.waiting) >= size
-        timed_out = policy == "dynamic" and self.clock() - self.waiting[0].arrival_time >= self.config.max_delay
+        # the oldest request's wait: lpm may have put another first
+        timed_out = policy == "dynamic" and self.clock() - self.oldest_arrival() >= self.config.max_delay
         if full or timed_out or self.input_closed:
             self.batch = {r.key for r in list(self.waiting)[:size]}
+
+    def oldest_arrival(self) -> float:
+        """The arrival time of the request that has waited longest (the queue is not empty)."""
+        return min(r.arrival_time for r in self.waiting)
 
     def _fill(self, out: SchedulerOutput, entries: list[tuple[Request, int]]) -> None:
         """Order the step (decodes first), advance each request's progress, and write the arrays."""

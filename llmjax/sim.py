@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from tqdm import tqdm
 
-from llmjax.config import EngineConfig
+from llmjax.config import ConfigError, EngineConfig
 from llmjax.request import Request
 from llmjax.sampling_params import SamplingParams
 from llmjax.scheduler import Scheduler, SchedulerOutput
@@ -129,10 +129,14 @@ Observer = Callable[["Simulator", SchedulerOutput, float], None]
 class Simulator:
     """Replays a trace through a real `Scheduler` over `kv`; see the module docstring.
 
-    One simulator serves one `run`. `now` is the virtual clock; the scheduler reads it.
+    One simulator serves one `run`. `now` is the virtual clock; the scheduler reads it. It applies
+    each step before scheduling the next, so `config.async_scheduling` is refused (ConfigError).
     """
 
     def __init__(self, config: EngineConfig, kv, cost: CostModel, observers: Iterable[Observer] = ()):
+        if config.async_scheduling:
+            raise ConfigError("the simulator applies each step before it schedules the next: "
+                              "it models synchronous scheduling only (async_scheduling=False)")
         self.config = config
         self.kv = kv
         self.cost = cost
@@ -169,7 +173,8 @@ class Simulator:
                 break
             while pending and pending[0][0] <= self.now:
                 sched.add(_request(heapq.heappop(pending)[2]))
-            sched.input_closed = not pending and not waiting_for
+            # closed once nothing can arrive before a step runs: followers wait for a finish
+            sched.input_closed = not pending and (not waiting_for or not sched.running)
             out = sched.schedule()
             if out.empty:
                 if not out.preempted:  # else the state changed: schedule again at the same time
@@ -198,7 +203,7 @@ class Simulator:
         times = [pending[0][0]] if pending else []
         waiting = self.scheduler.waiting
         if self.config.scheduling_policy == "dynamic" and waiting:
-            times.append(waiting[0].arrival_time + self.config.max_delay)
+            times.append(self.scheduler.oldest_arrival() + self.config.max_delay)
         times = [t for t in times if t > self.now]
         if not times:
             raise RuntimeError(f"stuck at t={self.now:.3f}: {len(waiting)} requests wait, none can be scheduled "

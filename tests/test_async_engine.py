@@ -3,7 +3,11 @@ loop once per step for all of that step's outputs (not once per output), and a s
 deltas its consumer has not read yet."""
 
 import asyncio
+from types import SimpleNamespace
 
+import pytest
+
+from llmjax.config import ConfigError, EngineConfig
 from llmjax.outputs import CompletionOutput, OutputAccumulator, RequestMetrics, RequestOutput
 from llmjax.serve import async_engine
 from llmjax.serve.async_engine import AsyncEngine, OutputStream
@@ -106,3 +110,10 @@ def test_a_consumer_that_falls_behind_reads_fewer_outputs_with_every_token():
     assert tokens == reference.outputs[0].token_ids
     assert "".join(o.outputs[0].text for o in outputs) == reference.outputs[0].text
     assert len(outputs) < len(tokens) and outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+
+
+def test_static_batching_is_refused_on_a_server():
+    # a server never closes its input: a partial static batch would wait forever
+    engine = SimpleNamespace(config=EngineConfig(scheduling_policy="static", batch_size=2))
+    with pytest.raises(ConfigError, match="use --scheduling-policy dynamic"):
+        AsyncEngine(engine)

@@ -59,6 +59,10 @@ ENGINE_FLAG_ERRORS = [
     (["--scheduling-policy", "static", "--max-delay", "0.1"], "--max-delay applies to --scheduling-policy dynamic"),
     (["--scheduling-policy", "dynamic", "--max-delay", "inf"], "max_delay must be a finite number of seconds"),
     (["--scheduling-policy", "dynamic", "--batch-size", "0"], "batch_size must be positive"),
+    (["--scheduling-policy", "dynamic", "--batch-size", "8", "--max-num-seqs", "4"],
+     "batch_size (8) > max_num_seqs (4)"),
+    (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "512"],
+     "max_num_batched_tokens (512) < max_model_len"),
     (["--compilation-cache-dir", ""], "compilation_cache_dir must not be empty"),
     (["--coordinator-address", " "], "coordinator_address must not be empty"),
 ]
@@ -87,6 +91,23 @@ def test_batching_flags_reach_the_config_of_their_policy_and_default_otherwise()
     assert (config.scheduling_policy, config.batch_size, config.max_delay) == ("continuous", default.batch_size,
                                                                               default.max_delay)
     assert engine_config_from_args(engine_args("--dtype", "float16")).dtype == "float16"
+    config = engine_config_from_args(engine_args("--scheduling-policy", "dynamic", "--max-num-seqs", "4"))
+    assert config.batch_size == 4  # the default batch, capped at the seats
+
+
+def test_without_chunked_prefill_the_default_budget_covers_the_context():
+    default = EngineConfig()
+    config = engine_config_from_args(engine_args("--no-enable-chunked-prefill"))
+    assert config.max_num_batched_tokens == max(default.max_num_batched_tokens, default.max_model_len)
+    config = engine_config_from_args(engine_args("--no-enable-chunked-prefill", "--max-model-len", "256"))
+    assert config.max_num_batched_tokens == default.max_num_batched_tokens
+    assert engine_config_from_args(engine_args()).max_num_batched_tokens == default.max_num_batched_tokens
+
+
+@pytest.mark.parametrize("command", [["serve", "tiny-gqa"], ["cluster", "tiny-gqa", "--replicas", "1"]],
+                         ids=lambda c: c[0])
+def test_a_server_refuses_static_batching(usage_error, command):
+    usage_error(command + ["--scheduling-policy", "static"], "use --scheduling-policy dynamic")
 
 
 @pytest.mark.parametrize("command", [["serve", "tiny-gqa"], ["cluster", "tiny-gqa", "--replicas", "1"]],
@@ -101,7 +122,8 @@ def test_a_server_refuses_the_multi_host_flags(usage_error, command):
                                             (["--top-p", "1.5"], "top_p"),
                                             (["--stream-interval", "4"], "--stream-interval has no effect"),
                                             (["--queue-order", "lpm", "--enable-prefix-caching"],
-                                             "--queue-order has no effect")])
+                                             "--queue-order has no effect"),
+                                            (["--scheduling-policy", "dynamic"], "--scheduling-policy has no effect")])
 def test_generate_checks_its_sampling_values_before_building_the_engine(usage_error, flags, message):
     usage_error(["generate", "tiny-gqa", "--prompt", "hi", *flags], message)
 

@@ -22,6 +22,8 @@ ENGINE_ERRORS = [
     (dict(gpu_memory_utilization=0.0), "gpu_memory_utilization"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 30), "both size the KV cache: give one"),
+    (dict(scheduling_policy="static", batch_size=8, max_num_seqs=4), r"batch_size \(8\) > max_num_seqs \(4\)"),
+    (dict(scheduling_policy="dynamic", batch_size=8, max_num_seqs=4), r"batch_size \(8\) > max_num_seqs \(4\)"),
     (dict(max_delay=-0.1), "max_delay"),
     (dict(max_delay=float("inf")), "max_delay must be a finite number"),
     (dict(max_delay=float("nan")), "max_delay must be a finite number"),

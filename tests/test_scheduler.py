@@ -116,6 +116,34 @@ def test_dynamic_batch_leaves_after_max_delay():
     assert len(run_step(s).requests) == 1
 
 
+def test_dynamic_batch_deadline_is_the_oldest_requests_even_when_lpm_puts_another_first():
+    clock = FakeClock()
+    s = scheduler(clock=clock, scheduling_policy="dynamic", batch_size=4, max_delay=1.0, queue_order="lpm")
+    s.add(make(12, max_tokens=1, first_token=3))
+    clock.now = 1.0
+    run_step(s)  # its 12 prompt tokens are cached: 3 pages
+    old, sharing = make(12, arrival=10.0), make(12, arrival=10.9, first_token=3)
+    s.add(old)
+    s.add(sharing)
+    clock.now = 10.95
+    assert run_step(s).empty and s.waiting[0] is sharing  # lpm put the cached prefix first
+    clock.now = 11.0  # the old request has waited max_delay
+    assert set(run_step(s).requests) == {old, sharing}
+
+
+def test_a_later_sample_joins_its_first_samples_batch():
+    s = scheduler(scheduling_policy="static", batch_size=2)
+    first, other, late = make(3, max_tokens=6), make(3, max_tokens=6), make(3)
+    s.add(first)
+    s.add(other)
+    run_step(s)
+    sibling = make(3, max_tokens=6)  # the engine queues samples past the first once it has its prompt
+    s.add(sibling, first)
+    s.add(late)
+    assert sibling in run_step(s).requests
+    assert all(late not in run_step(s).requests for _ in range(5))
+
+
 def test_preemption_evicts_the_newest_and_admits_nobody_that_step():
     # 6 usable blocks of 4 tokens; three requests of 8 prompt tokens take 2 blocks each
     s = scheduler(num_blocks=7, max_num_batched_tokens=64)

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from llmjax.config import EngineConfig
+from llmjax.config import ConfigError, EngineConfig
 from llmjax.kv import KVCacheManager
 from llmjax.kv.contiguous import ContiguousKVCache
 from llmjax.request import Request
@@ -117,6 +117,17 @@ def test_a_request_that_follows_another_arrives_a_think_time_after_its_finish() 
     assert stopped.unfinished == 3 - len(stopped.finished) and "b" not in {r.request_id for r in stopped.finished}
     with pytest.raises(ValueError, match="no other request of the trace"):
         Simulator(CONFIG, KVCacheManager(num_blocks=40, block_size=4), UNIT).run([replace(trace[1], after="zzz")])
+
+
+def test_a_static_batch_that_a_follower_waits_for_starts_and_async_scheduling_is_refused() -> None:
+    # "b" arrives only after "a" finishes: the batch of 2 cannot fill before "a" runs
+    trace = [TraceRequest("a", 0.0, list(range(10, 20)), 4),
+             TraceRequest("b", 1.0, list(range(10, 20)) + [0] * 4 + [5, 6], 4, after="a")]
+    config = CONFIG.replace(scheduling_policy="static", batch_size=2)
+    result, _ = run_checked(config, KVCacheManager(num_blocks=40, block_size=4, enable_prefix_caching=False), trace)
+    assert_all_finished(result, trace)
+    with pytest.raises(ConfigError, match="synchronous scheduling only"):
+        Simulator(CONFIG.replace(async_scheduling=True), KVCacheManager(num_blocks=40, block_size=4), UNIT)
 
 
 def test_step_time_is_the_roofline_sum() -> None:

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
+from llmjax.config import ConfigError
 from llmjax.engine import LLMEngine, RequestError, RequestOutput
 from llmjax.sampling_params import SamplingParams, SamplingParamsError
 
@@ -72,6 +73,12 @@ class EngineStats:
     serving_compile_seconds: float = 0.0  # the time the steps that compiled them took
 
 
+# Static batching waits for a full batch unless told no more requests come, which a server never
+# knows: its last requests would wait forever.
+STATIC_ON_SERVER = ("static batching waits for a full batch, so a server's last requests would wait forever: "
+                    "use --scheduling-policy dynamic (static with a --max-delay deadline)")
+
+
 @dataclass(frozen=True)
 class _Command:
     fn: Callable[[], Any]
@@ -91,6 +98,8 @@ def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None,
                  step_timeout_s: float = STEP_TIMEOUT_S):
+        if engine.config.scheduling_policy == "static":
+            raise ConfigError(STATIC_ON_SERVER)
         self.engine = engine
         self.on_finished = on_finished
         self.on_dead: Callable[[], None] | None = None
