@@ -107,9 +107,10 @@ def test_template_features_render_as_in_transformers(hf, ours, template):
         tokenizer.chat_template = own
 
 
-def test_detokenize_endpoint_inverts_tokenize_special_tokens_included(hf, ours):
+def test_detokenize_endpoint_and_echo_invert_tokenize_special_tokens_included(hf, ours):
     """`/detokenize` of what `/tokenize` gave for a rendered chat (its template's special tokens
-    in it) is that text again, and equals transformers' decode of the ids, as vLLM's endpoint."""
+    in it) is that text again, and equals transformers' decode of the ids, as vLLM's endpoint;
+    so is the echoed prompt of a completion given those ids."""
     import asyncio
 
     from llmjax.serve import protocol as p
@@ -127,6 +128,9 @@ def test_detokenize_endpoint_inverts_tokenize_special_tokens_included(hf, ours):
     assert tokens == tokenizer.encode_chat(messages)
     detokenized = asyncio.run(server.detokenize(p.DetokenizeRequest(tokens=tokens))).prompt
     assert detokenized == text == hf_tok.decode(tokens, skip_special_tokens=False)
+    # `echo` of a token-id prompt: its text as vLLM decodes it (HF's default keeps special tokens), so it
+    # matches the echoed logprob tokens
+    assert server._prompt_text(tokens) == hf_tok.decode(tokens) == text
 
 
 def test_token_bytes_concatenate_to_the_decoded_text(hf, ours):

@@ -156,7 +156,9 @@ class OpenAIServer:
             raise prompt_too_long(exc, self.max_model_len) from None
 
     def _prompt_text(self, prompt: p.Prompt) -> str:
-        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        """The echoed prompt: a string as sent; token ids decoded with their special tokens, as vLLM
+        echoes them (so the text matches the echoed logprob tokens and their offsets)."""
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
 
     async def _open(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                     cache_salt: str | None, arrival: float) -> tuple[OutputStream, dict[str, int]]:
