@@ -342,6 +342,47 @@ def test_errors_are_relayed_and_do_not_take_a_worker_down():
         assert r.status_code == 404 and r.json()["error"]["code"] == 404
 
 
+class ChatStub:
+    """A worker without a model that answers every chat completion with `answer` (streamed in
+    pieces when asked) and counts the requests it served."""
+
+    def __init__(self, answer: str):
+        self.answer, self.served = answer, 0
+        self.app = FastAPI()
+        self.app.add_api_route("/health", lambda: Response(status_code=200))
+        self.app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
+
+    async def chat(self, request: Request):
+        self.served += 1
+        if not (await request.json()).get("stream"):
+            return {"choices": [{"index": 0, "message": {"role": "assistant", "content": self.answer}}]}
+        pieces = [self.answer[i:i + 7] for i in range(0, len(self.answer), 7)]
+        events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+                  *({"choices": [{"index": 0, "delta": {"content": p}}]} for p in pieces),
+                  {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return StreamingResponse(iter([body]), media_type="text/event-stream")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_conversations_next_turn_follows_the_worker_that_holds_its_answer(stream):
+    """The answer is far longer than the prompt: matched on the prompt alone, turn 2 would fall under
+    the threshold and go to the idle worker with an empty tree; the router remembers the relayed
+    answer after the prompt, so turn 2 matches all but its new question."""
+    answer = "A long answer, sentence after sentence. " * 20
+    a, b = ChatStub(answer), ChatStub(answer)
+    policy = CacheAware()
+    turn1 = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a story."}]
+    with running_server(a.app) as url_a, running_server(b.app) as url_b, \
+            running_server(build_router_app([url_a, url_b], policy, 3600)) as router:
+        first = httpx.post(f"{router}/v1/chat/completions", json={"messages": turn1, "stream": stream},
+                           timeout=TIMEOUT).headers["x-llmjax-worker"]
+        turn2 = [*turn1, {"role": "assistant", "content": answer}, {"role": "user", "content": "Shorter?"}]
+        r = httpx.post(f"{router}/v1/chat/completions", json={"messages": turn2, "stream": stream}, timeout=TIMEOUT)
+        assert r.headers["x-llmjax-worker"] == first
+    assert (a.served, b.served) in ((2, 0), (0, 2))
+
+
 def test_end_to_end_headers_are_relayed_both_ways():
     """The client's `Authorization` (a worker's `--api-key`) and `x-request-id` reach the worker; the
     worker's own response headers reach the client; hop-by-hop ones stay on their connection."""
@@ -349,16 +390,17 @@ def test_end_to_end_headers_are_relayed_both_ways():
     worker = FastAPI()
 
     async def complete(request: Request):
-        seen.update(request.headers)
+        seen.update(request.headers, query=request.url.query)
         return JSONResponse({"choices": [{"text": "ok"}]}, status_code=429, headers={"retry-after": "7"})
 
     worker.add_api_route("/v1/completions", complete, methods=["POST"])
     worker.add_api_route("/health", lambda: Response(status_code=200))
     with running_server(worker) as url, running_server(build_router_app([url], RoundRobin(), 3600)) as router:
-        r = httpx.post(f"{router}/v1/completions", json={"prompt": "x"}, timeout=TIMEOUT,
+        r = httpx.post(f"{router}/v1/completions?api-version=1&x=%20y", json={"prompt": "x"}, timeout=TIMEOUT,
                        headers={"Authorization": "Bearer K", "x-request-id": "r-1", "Connection": "keep-alive"})
     assert r.status_code == 429 and r.headers["retry-after"] == "7" and r.headers["x-llmjax-worker"] == url
     assert seen["authorization"] == "Bearer K" and seen["x-request-id"] == "r-1"
+    assert seen["query"] == "api-version=1&x=%20y"  # the query string as the client sent it
     assert seen["content-type"] == "application/json" and seen["host"] != httpx.URL(router).netloc.decode()
 
 
@@ -556,6 +598,34 @@ def _children(pid: int) -> list[tuple[int, str, str]]:
         if int(ppid) == pid:
             found.append((int(entry), state, cmdline))
     return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (not gone, not a zombie that its new parent has not reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_a_replica_exits_when_its_launcher_is_killed_outright():
+    """A launcher killed by SIGKILL runs no cleanup: the replica (here a child that called
+    `exit_with_parent` as `serve_replica` does) gets SIGTERM from the kernel."""
+    child = ("import os, time; from llmjax.serve.cluster import exit_with_parent; "
+             "exit_with_parent(os.getppid()); print('ready', flush=True); time.sleep(300)")
+    launcher = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}]); "
+                "print(p.pid, flush=True); time.sleep(300)")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    try:
+        lines = {proc.stdout.readline().strip() for _ in range(2)}
+        assert "ready" in lines, lines
+        [child_pid] = [int(line) for line in lines if line.isdigit()]
+        assert _alive(child_pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_for(lambda: not _alive(child_pid), timeout=30)
 
 
 def test_cluster_restarts_a_killed_replica_and_loses_no_unstarted_request(tmp_path):

@@ -7,6 +7,7 @@ longest stored prefix of a key is its longest common prefix with any of them.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections import Counter
 
@@ -14,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmjax.serve.router import request_text
+from llmjax.serve.router import answer_texts, followup_text, request_text
 from llmjax.serve import routing
 from llmjax.serve.routing import ApproxRadixTree, CacheAware, Decision, LeastLoad, RoundRobin, make_policy, routing_key
 
@@ -45,10 +46,12 @@ def test_tree_matches_the_naive_model(inserted, queries):
 @given(st.lists(keys, min_size=1, max_size=30), st.integers(1, 20))
 def test_tree_stays_bounded_and_keeps_the_newest_key(inserted, max_chars):
     tree = ApproxRadixTree(max_chars)
+    last = ""
     for k in inserted:
         tree.insert(k)
-        assert tree.num_chars <= max_chars
-        assert tree.match(k) == len(k) or len(k) > max_chars  # the newest key is never the LRU leaf
+        last = k or last  # the empty key stores nothing
+        assert tree.num_chars <= max_chars + len(last)  # the bound, plus the key stored last
+        assert tree.match(last) == len(last)  # the newest key is never evicted before the next insert
     for q in inserted:
         assert tree.match(q) <= naive_match(inserted, q)
 
@@ -83,9 +86,10 @@ def test_undone_insertions_leave_the_tree_of_the_other_keys(ops, queries):
 def test_an_insertion_is_undone_once_and_not_after_its_eviction():
     tree = ApproxRadixTree(max_chars=10)
     first = tree.insert("aaaaaaaaaa")
-    tree.insert("bbbbbbbbbb")  # evicts the first key
+    tree.insert("bbbbbbbbbb")
+    tree.insert("cccccccccc")  # evicts the first key (20 characters > 10), then stores its own
     first.undo()
-    assert tree.match("bbbbbbbbbb") == 10 and tree.num_chars == 10
+    assert tree.match("bbbbbbbbbb") == tree.match("cccccccccc") == 10 and tree.num_chars == 20
     with pytest.raises(ValueError, match="undone already"):
         first.undo()
 
@@ -95,9 +99,20 @@ def test_tree_evicts_least_recently_inserted_first():
     tree.insert("aaaaaaaaaa")
     tree.insert("bbbbbbbbbb")
     tree.insert("aaaaaaaaaa")  # refresh a: b is now the oldest
-    tree.insert("cccccccccc")
-    assert tree.match("aaaaaaaaaa") == 10 and tree.match("cccccccccc") == 10
+    tree.insert("cccccccccc")  # 20 characters before it: nothing evicted
+    tree.insert("dddddddddd")  # 30 before it: b goes
+    assert tree.match("aaaaaaaaaa") == tree.match("cccccccccc") == tree.match("dddddddddd") == 10
     assert tree.match("bbbbbbbbbb") == 0
+
+
+def test_an_undone_key_longer_than_the_tree_evicts_nothing():
+    """A request its worker refused (say, a prompt too long for it) leaves the other keys in place."""
+    tree = ApproxRadixTree(max_chars=20)
+    tree.insert("aaaaaaaaaa")
+    tree.insert("bbbbbbbbbb")
+    tree.insert("z" * 50).undo()
+    tree.insert("cccccccccc")
+    assert tree.match("aaaaaaaaaa") == tree.match("bbbbbbbbbb") == tree.match("cccccccccc") == 10
 
 
 def test_tree_shared_prefix_is_stored_once():
@@ -180,7 +195,8 @@ def test_relative_threshold_also_has_to_be_exceeded():
 def test_evicted_prefixes_no_longer_attract_requests():
     policy = CacheAware(max_tree_chars=len(SYSTEM_A) + 10)
     assert policy.select(SYSTEM_A + "q0", {"w0": 0, "w1": 0}).worker == "w0"
-    policy.select(SYSTEM_B + "q0", {"w0": 0})  # only w0 is a candidate: B pushes A out of w0's tree
+    policy.select(SYSTEM_B + "q0", {"w0": 0})  # only w0 is a candidate
+    policy.select(SYSTEM_B + "q1", {"w0": 0})  # the tree is past its bound: A, the oldest, goes
     assert policy.tree("w0").match(SYSTEM_A) == 0
     d = policy.select(SYSTEM_A + "q1", {"w0": 2, "w1": 1})
     assert (d.worker, d.reason) == ("w1", "cache_miss")
@@ -292,3 +308,37 @@ def test_request_text_of_any_json_is_a_string(value):
                  {"messages": [{"role": value, "content": value}]}, {"messages": [{"content": [value]}]}):
         for chat in (False, True):
             assert isinstance(request_text(body, chat), str)
+
+
+def test_the_answer_after_its_prompt_is_the_next_turns_prefix():
+    messages = [{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": "Who are you?"}]
+    answer = "Arr, a pirate."
+    next_turn = [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+    held = followup_text({"messages": messages}, True, answer)
+    assert request_text({"messages": next_turn}, True).startswith(held) and held.endswith(answer + "\n")
+    assert followup_text({"prompt": "Once upon"}, False, " a time") == "Once upon a time"
+    for body in ({"prompt": "x", "echo": True}, {"prompt": [1, 2]}, {"prompt": ["a", "b"]}, {"messages": "x"}, []):
+        assert followup_text(body, "messages" in body, "y") is None  # nothing a next request would repeat
+
+
+def test_answers_are_read_from_json_and_sse_bodies():
+    chat = {"choices": [{"index": 0, "message": {"content": "one"}}, {"index": 1, "message": {"content": "two"}}]}
+    assert answer_texts(json.dumps(chat).encode(), False, True) == ["one", "two"]
+    events = [{"choices": [{"index": 0, "text": "Hel"}]}, {"choices": [{"index": 1, "text": "Bye"}]},
+              {"choices": [{"index": 0, "text": "lo"}]}, {"choices": [], "usage": {"total_tokens": 3}}]
+    sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+    assert answer_texts(sse.encode(), True, False) == ["Hello", "Bye"]
+    for body, is_sse in ((b"not json", False), (b'{"choices": 3}', False), (b"data: {oops\n\n", True),
+                         (b'{"error": {}}', False)):
+        assert answer_texts(body, is_sse, True) == []
+
+
+def test_remember_adds_to_a_workers_tree_until_it_is_forgotten():
+    policy = CacheAware()
+    d = policy.select(SYSTEM_A, {"w0": 0}, tenant="t")
+    policy.remember(d.worker, SYSTEM_A + " and its answer", tenant="t")
+    assert policy.tree("w0").match(routing_key(SYSTEM_A + " and its answer", "t")) == len(
+        routing_key(SYSTEM_A + " and its answer", "t"))
+    policy.forget("w0")
+    policy.remember("w0", SYSTEM_B)  # its cache is presumed lost: nothing to add to
+    assert "w0" not in policy.trees

@@ -17,7 +17,9 @@ SIGINT or SIGTERM, was stopped on purpose (Ctrl-C in a terminal, and systemd's s
 process group) and is not restarted (`STOPPED`). The router's health checks take a replica out while it is down and bring it back once its
 `/health` answers 200. When the router stops (Ctrl-C, SIGTERM) or startup fails, supervision stops
 and the replicas get SIGTERM, then SIGKILL after 30 s; every child is joined, so none is left
-`<defunct>`.
+`<defunct>`. A launcher that is killed outright (SIGKILL, the OOM killer) runs none of that: on
+Linux each replica asks the kernel for SIGTERM when its launcher dies (`exit_with_parent`), so
+none is left serving on its port.
 
 Replicas on other machines need no launcher: start `llmjax serve` there and give their URLs to
 `llmjax router --workers`.
@@ -26,6 +28,7 @@ Replicas on other machines need no launcher: start `llmjax serve` there and give
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import multiprocessing
 import os
@@ -45,6 +48,7 @@ POLL_S = 0.5
 BACKOFF_MIN_S, BACKOFF_MAX_S, STABLE_S = 1.0, 30.0, 60.0
 # exit statuses of a replica stopped on purpose: a clean stop, or SIGINT / SIGTERM's default action
 STOPPED = frozenset({0, -signal.SIGINT, -signal.SIGTERM})
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def replica_args(args: argparse.Namespace, port: int) -> argparse.Namespace:
@@ -52,9 +56,22 @@ def replica_args(args: argparse.Namespace, port: int) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "host": "127.0.0.1", "port": port, "func": None})
 
 
-def serve_replica(args: argparse.Namespace) -> None:
-    """A replica process: `run_server`; interrupted (Ctrl-C reaches the whole process group) while it
-    loads or warms up, it exits with status 0 (stopped on purpose), without a traceback."""
+def exit_with_parent(parent_pid: int) -> None:
+    """Linux: have this process get SIGTERM when the thread that started it exits (prctl's
+    `PR_SET_PDEATHSIG`), or at once when `parent_pid` is no longer its parent (it died before the
+    call). Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def serve_replica(args: argparse.Namespace, launcher_pid: int) -> None:
+    """A replica process: `run_server` until stopped, or until the launcher dies (`exit_with_parent`);
+    interrupted (Ctrl-C reaches the whole process group) while it loads or warms up, it exits with
+    status 0 (stopped on purpose), without a traceback."""
+    exit_with_parent(launcher_pid)
     try:
         run_server(args)
     except KeyboardInterrupt:
@@ -75,7 +92,8 @@ class Replica:
 
     def start(self) -> None:
         context = multiprocessing.get_context("spawn")
-        self.proc = context.Process(target=serve_replica, args=(self.args,), name=f"llmjax-replica-{self.port}")
+        self.proc = context.Process(target=serve_replica, args=(self.args, os.getpid()),
+                                    name=f"llmjax-replica-{self.port}")
         self.proc.start()
         self.started_at, self.restart_at = time.monotonic(), None
 

@@ -34,7 +34,10 @@
   attempt (the worker that served it, or the last one tried). The policy's record of a decision
   (`cache_aware`: the key in the worker's tree) is retracted when that worker does not serve the
   request (it failed, timed out, or the client left first) or answers it with an error status (a
-  400 computed nothing): only a worker whose success is relayed keeps the key.
+  400 computed nothing): only a worker whose success is relayed keeps the key. When a success
+  has been relayed whole, the policy also remembers each answer after its prompt
+  (`followup_text`: the text a conversation's next turn starts with), read from the relayed body
+  (at most `MAX_REMEMBERED_BODY` bytes of it: a longer body is relayed, not remembered).
 - Health: every `health_check_interval` seconds each worker's `/health` is fetched. A worker goes
   down after `health_failure_threshold` failed checks in a row (a busy replica may answer late; a
   request that cannot reach it takes it down at once) and is back on the first 200. A down worker
@@ -79,6 +82,7 @@ from llmjax.serve.protocol import error_body
 
 log = logging.getLogger(__name__)
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+MAX_REMEMBERED_BODY = 4 << 20  # bytes of a relayed response kept to read its answers from
 RELAYED_PATHS = (("GET", "/v1/models"), ("GET", "/v1/models/{model:path}"), ("POST", "/tokenize"),
                  ("POST", "/detokenize"))
 
@@ -98,6 +102,44 @@ def request_text(body: Any, chat: bool) -> str:
     if isinstance(prompt, list) and prompt and not _is_token_ids(prompt):  # several prompts
         return "\n".join(_prompt_text(p) for p in prompt)
     return _prompt_text(prompt)
+
+
+def followup_text(body: Any, chat: bool, answer: str) -> str | None:
+    """The text the worker's cache holds once it answered `body` with `answer`, as `request_text`
+    writes it (so the next turn of a conversation, which repeats the answer, matches all of it):
+    the messages and then the assistant's answer, or the one string prompt followed by its
+    completion. None where no later request would repeat it: several prompts, token ids, `echo`."""
+    if not isinstance(body, dict):
+        return None
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return None
+        return request_text({"messages": [*messages, {"role": "assistant", "content": answer}]}, chat=True)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or body.get("echo") is True:
+        return None
+    return prompt + answer
+
+
+def answer_texts(body: bytes, sse: bool, chat: bool) -> list[str]:
+    """Each choice's whole text in a relayed response body: a JSON completion, or an SSE stream of
+    chunks (their deltas joined per choice). [] for a body of another shape; never raises."""
+    try:
+        if not sse:
+            texts = [c["message"]["content"] if chat else c["text"] for c in json.loads(body)["choices"]]
+            return [t for t in texts if isinstance(t, str)]
+        pieces: dict[int, list[str]] = {}
+        for event in body.split(b"\n\n"):
+            if not event.startswith(b"data: {"):  # [DONE], or not an event
+                continue
+            for c in json.loads(event[6:]).get("choices") or ():
+                piece = c.get("delta", {}).get("content") if chat else c.get("text")
+                if isinstance(piece, str) and piece:
+                    pieces.setdefault(c.get("index", 0), []).append(piece)
+        return ["".join(p) for p in pieces.values()]
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return []
 
 
 def _str(value: Any) -> str:
@@ -184,7 +226,10 @@ class _Relay(StreamingResponse):
     the incomplete event is dropped and, unless the worker's `data: [DONE]` has gone out (then the
     stream just ends), an OpenAI error event and `data: [DONE]` follow. Any other body re-raises the
     failure, so the server drops the connection and the client sees the body cut short, as it would
-    from the worker, never a complete-looking answer."""
+    from the worker, never a complete-looking answer.
+
+    `on_body`, when set before the response is sent, gets the whole body once it was relayed to
+    the end (not for a body cut short, or longer than `MAX_REMEMBERED_BODY`)."""
 
     def __init__(self, upstream: aiohttp.ClientResponse, first: bytes, rest: AsyncIterator[bytes], worker_url: str,
                  on_close: Callable[[], None]):
@@ -192,16 +237,30 @@ class _Relay(StreamingResponse):
                          headers=_response_headers(upstream, worker_url))
         self.upstream, self.worker_url, self.on_close = upstream, worker_url, on_close
         self.sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        self.on_body: Callable[[bytes], None] | None = None
+        self._body: list[bytes] = []  # what was relayed, while `on_body` wants it
+        self._body_size = 0
+        self._whole = False  # relayed to the end
+
+    def _keep(self, chunk: bytes) -> bytes:
+        if self.on_body is not None:
+            self._body_size += len(chunk)
+            if self._body_size > MAX_REMEMBERED_BODY:
+                self.on_body, self._body = None, []
+            else:
+                self._body.append(chunk)
+        return chunk
 
     async def _chunks(self, first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         body = _prepended(first, rest)
         if not self.sse:
             try:
                 async for chunk in body:
-                    yield chunk
+                    yield self._keep(chunk)
             except aiohttp.ClientError as exc:
                 log.warning("worker %s failed mid-response; dropping the client's connection: %r", self.worker_url, exc)
                 raise
+            self._whole = True
             return
         tail, done = b"", False  # the incomplete event held back; whether `data: [DONE]` has gone out
         try:
@@ -209,7 +268,7 @@ class _Relay(StreamingResponse):
                 events, blank, tail = (tail + chunk).rpartition(b"\n\n")
                 if blank:
                     done = done or events.rpartition(b"\n")[2] == b"data: [DONE]"
-                    yield events + blank
+                    yield self._keep(events + blank)
         except aiohttp.ClientError as exc:
             log.warning("worker %s failed mid-stream: %r", self.worker_url, exc)
             if not done:
@@ -220,7 +279,8 @@ class _Relay(StreamingResponse):
                 yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
         else:
             if tail:  # an unterminated last event: the worker ended there, so relayed as it is
-                yield tail
+                yield self._keep(tail)
+            self._whole = True
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -228,6 +288,8 @@ class _Relay(StreamingResponse):
         finally:
             _let_go(self.upstream)
             self.on_close()
+            if self._whole and self.on_body is not None:
+                self.on_body(b"".join(self._body))
 
 
 async def _prepended(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -352,7 +414,7 @@ class Router:
         decision, its last one; every decision whose worker did not serve it, or answered it with
         an error status, is retracted."""
         body = await request.body()
-        text, tenant = _routing_input(path, body) if routed else ("", None)
+        text, tenant, payload = _routing_input(path, body) if routed else ("", None, None)
         tried: set[str] = set()
         decision: routing.Decision | None = None
         refusal: Response | None = None  # the last 503 a worker answered
@@ -365,7 +427,7 @@ class Router:
                     url = min(loads, key=loads.__getitem__)
                 tried.add(url)
                 try:
-                    return await self._attempt(request, self.workers[url], decision, path, body)
+                    return await self._attempt(request, self.workers[url], decision, path, body, payload, tenant)
                 except _WorkerFailed as exc:
                     log.warning("worker %s failed before the first byte: %s", url, exc)
                     if exc.down:
@@ -383,11 +445,13 @@ class Router:
                 self.decisions.labels(self.policy.name, decision.reason).inc()
 
     async def _attempt(self, request: Request, worker: WorkerState, decision: routing.Decision | None, path: str,
-                       body: bytes) -> Response:
+                       body: bytes, payload: Any = None, tenant: str | None = None) -> Response:
         """One attempt on `worker`: the relay of its response, a 504 when it timed out, a 499 when
         the client left first; `_WorkerFailed` when it failed before the first byte. Unless its
         response is relayed (the relay releases it when it ends), the worker's load is released
-        here; unless it is relayed with a success status, `decision` is retracted."""
+        here; unless it is relayed with a success status, `decision` is retracted. A success the
+        policy recorded a key for (`payload`: the parsed body) has its answers remembered once
+        relayed whole."""
         worker.in_flight += 1
         worker.requests += 1
         self.requests.labels(worker.url).inc()
@@ -405,7 +469,21 @@ class Router:
                 self._release(worker)
             if decision is not None and (relay is None or relay.status_code >= 400):
                 self.policy.retract(decision)  # the worker computed nothing of this prompt to reuse
-        return relay if relay is not None else Response(status_code=499)
+        if relay is None:
+            return Response(status_code=499)
+        if decision is not None and decision.insertion is not None and relay.status_code < 400:
+            chat = path.endswith("/chat/completions")
+            relay.on_body = lambda whole: self._remember_answers(worker.url, payload, chat, tenant, whole, relay.sse)
+        return relay
+
+    def _remember_answers(self, url: str, payload: Any, chat: bool, tenant: str | None, body: bytes,
+                          sse: bool) -> None:
+        """Tell the policy what the worker's cache holds after serving the request: each answer
+        after its prompt (`followup_text`)."""
+        for answer in answer_texts(body, sse, chat):
+            text = followup_text(payload, chat, answer)
+            if text:
+                self.policy.remember(url, text, tenant)
 
     async def _open(self, request: Request, worker: WorkerState, path: str, body: bytes) -> Response | None:
         """Send the request to `worker` and wait for the first byte of its body; the relay of the
@@ -413,7 +491,8 @@ class Router:
         the worker cannot be reached, drops the connection or answers 503, `_WorkerTimedOut` when
         it sends nothing for `request_timeout` seconds."""
         headers = {"content-type": "application/json", **_relayed(request.headers)}
-        opening = asyncio.ensure_future(self._first_byte(request.method, worker.url, path, body, headers))
+        target = f"{path}?{request.url.query}" if request.url.query else path  # the query string as sent
+        opening = asyncio.ensure_future(self._first_byte(request.method, worker.url, target, body, headers))
         watch = asyncio.ensure_future(wait_for_disconnect(request))
         try:
             await asyncio.wait({opening, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -460,16 +539,17 @@ class Router:
         return [asdict(w) for w in self.workers.values()]
 
 
-def _routing_input(path: str, body: bytes) -> tuple[str, str | None]:
-    """(`request_text`, tenant: a string `cache_salt` or None) of a request body. Never raises: a
-    body that is no JSON at all (malformed, not UTF-8, nested too deeply) gives ("", None), and
-    the worker it goes to answers it (400) as it would without the router."""
+def _routing_input(path: str, body: bytes) -> tuple[str, str | None, Any]:
+    """(`request_text`, tenant: a string `cache_salt` or None, the parsed body) of a request body.
+    Never raises: a body that is no JSON at all (malformed, not UTF-8, nested too deeply) gives
+    ("", None, None), and the worker it goes to answers it (400) as it would without the router."""
     try:
         payload = json.loads(body)
     except (ValueError, RecursionError):
         payload = None
     tenant = payload.get("cache_salt") if isinstance(payload, dict) else None
-    return request_text(payload, path.endswith("/chat/completions")), tenant if isinstance(tenant, str) else None
+    return (request_text(payload, path.endswith("/chat/completions")), tenant if isinstance(tenant, str) else None,
+            payload)
 
 
 def build_router_app(urls: list[str], policy: routing.RoutingPolicy, health_check_interval: float = 10.0,

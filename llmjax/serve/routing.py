@@ -17,7 +17,11 @@ only), and returns a `Decision`: the worker and why.
   sends that last case to the smallest tree instead; least load spreads new prefix families over
   idle replicas first. Every decision, imbalanced ones included, inserts the key into the chosen
   worker's tree at once (so a burst of one prefix family sticks together before any answer);
-  `retract(decision)` takes it out again when that worker did not serve the request.
+  `retract(decision)` takes it out again when that worker did not serve the request. Once a
+  worker has served a request, `remember(worker, text)` stores the text its cache now holds past
+  the prompt (the router's: the prompt followed by the answer), so a conversation's next turn,
+  which repeats the answer, matches the whole of it; SGLang's router stores the request's text
+  only, and a long answer then pulls the next turn under the threshold.
 
 Not thread-safe: one owner calls a policy (the router's event loop, or the simulation driver).
 """
@@ -96,9 +100,14 @@ def _common_prefix_len(text: str, start: int, edge: str) -> int:
 
 class ApproxRadixTree:
     """The keys recently routed to one worker: a character radix tree of at most `max_chars`
-    characters (edge lengths summed). `insert` refreshes the key's path; when the tree grows past
-    `max_chars` the least recently inserted leaves are evicted, whole edges at a time. It stands for
-    the worker's prefix cache without asking it (hence approximate)."""
+    characters (edge lengths summed) plus the key inserted last. `insert` first evicts the least
+    recently inserted leaves, whole edges at a time, until the tree is within `max_chars`, then
+    stores its key and refreshes the key's path: eviction waits for the next insert, so a key
+    undone meanwhile (a request its worker refused) has evicted nothing. It stands for the
+    worker's prefix cache without asking it (hence approximate).
+
+    Memory: the bound counts characters; Python's nodes add to them, from about 7 bytes per
+    character kept (long prompts that share prefixes) to about 120 (many short, distinct ones)."""
 
     def __init__(self, max_chars: int = DEFAULT_MAX_TREE_CHARS):
         if max_chars < 1:
@@ -126,10 +135,11 @@ class ApproxRadixTree:
         return i
 
     def insert(self, key: str) -> Insertion | None:
-        """Store `key` and mark its path most recently used; then evict down to `max_chars`. The
+        """Evict down to `max_chars`, then store `key` and mark its path most recently used. The
         insertion (to undo it) or, for the empty key, which stores nothing, None."""
         if not key:
             return None
+        self._evict()
         self._clock += 1
         node, i = self._root, 0
         while i < len(key):
@@ -150,7 +160,6 @@ class ApproxRadixTree:
         node.ends += 1
         if not node.children:
             self._push_leaf(node)
-        self._evict()
         return Insertion(self, node)
 
     def _undo(self, node: _Node) -> None:
@@ -214,8 +223,9 @@ class RoutingPolicy:
     `loads` maps each candidate worker (healthy, in the router's order) to its requests in flight;
     ValueError when it is empty. `retract(decision)`, at most once per decision: its worker did not
     serve the request (it failed, timed out, or the client left first), so the policy forgets what
-    `select` recorded for it; a request served is never retracted. `forget(worker)` drops what the
-    policy remembers of a worker (its cache is presumed lost: it died or restarted)."""
+    `select` recorded for it; a request served is never retracted. `remember(worker, text, tenant)`:
+    the worker's cache now holds `text` (a served request's prompt and answer). `forget(worker)`
+    drops what the policy remembers of a worker (its cache is presumed lost: it died or restarted)."""
 
     name = ""
 
@@ -223,6 +233,9 @@ class RoutingPolicy:
         raise NotImplementedError
 
     def retract(self, decision: Decision) -> None:
+        pass
+
+    def remember(self, worker: Worker, text: str, tenant: str | None = None) -> None:
         pass
 
     def forget(self, worker: Worker) -> None:
@@ -282,6 +295,12 @@ class CacheAware(RoutingPolicy):
         """Undo the decision's insertion (a no-op once its worker was forgotten: that tree is gone)."""
         if decision.insertion is not None:
             decision.insertion.undo()
+
+    def remember(self, worker: Worker, text: str, tenant: str | None = None) -> None:
+        """Store the text in the worker's tree (a no-op once the worker was forgotten)."""
+        tree = self.trees.get(worker)
+        if tree is not None:
+            tree.insert(routing_key(text, tenant))
 
     def forget(self, worker: Worker) -> None:
         self.trees.pop(worker, None)
@@ -344,7 +363,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help=f"cache_aware: see --balance-abs-threshold (default {DEFAULT_BALANCE_REL_THRESHOLD})")
     parser.add_argument("--max-tree-chars", type=positive_int, default=None,
                         help=f"cache_aware: characters kept in each worker's tree, LRU eviction "
-                             f"(default {DEFAULT_MAX_TREE_CHARS})")
+                             f"(default {DEFAULT_MAX_TREE_CHARS}); about 7 to 120 bytes of memory each")
     parser.add_argument("--health-check-interval", type=positive_seconds, default=10.0,
                         help="seconds between /health checks of every worker (default %(default)s)")
     parser.add_argument("--health-check-timeout", type=positive_seconds, default=5.0,
