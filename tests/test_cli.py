@@ -281,3 +281,17 @@ def test_a_port_in_use_is_an_error_before_the_model_loads(cli_error, monkeypatch
         line, status = cli_error("cluster", "tiny-gqa", "--replicas", "1", "--port", "0", "--replica-base-port",
                                  str(port))
         assert status == 1 and line.startswith(f"error: cannot listen on 127.0.0.1:{port}: "), line
+
+
+def test_a_router_on_an_address_other_than_loopback_warns_that_it_checks_no_key(monkeypatch, capsys):
+    import uvicorn
+
+    from llmjax.serve import server
+
+    for name in ("Config", "Server"):  # build the router, serve nothing (uvicorn's Config sets up logging)
+        monkeypatch.setattr(uvicorn, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(server, "run_until_stopped", lambda _: None)
+    main(["router", "--workers", "http://127.0.0.1:9", "--host", "0.0.0.0", "--port", "8"])
+    assert "warning: serving on 0.0.0.0 with a router that checks no API key" in capsys.readouterr().err
+    main(["router", "--workers", "http://127.0.0.1:9", "--port", "8"])
+    assert "warning" not in capsys.readouterr().err

@@ -595,8 +595,10 @@ def serve_router(urls: list[str], args: argparse.Namespace) -> None:
     `routing.add_router_args`, plus `--uvicorn-log-level` and `--timeout-keep-alive`)."""
     import uvicorn
 
-    from llmjax.serve.server import run_until_stopped
+    from llmjax.serve.server import run_until_stopped, warn_if_exposed
 
+    warn_if_exposed(args.host, "with a router that checks no API key: give the replicas --api-key (the router "
+                               "relays Authorization); its /workers and /metrics, which name the replicas, are open")
     app = build_router_app(urls, routing.policy_from_args(args), args.health_check_interval,
                            args.health_check_timeout, args.health_failure_threshold, args.request_timeout)
     print(f"routing ({args.policy}) over {len(urls)} workers at http://{args.host}:{args.port}/v1", flush=True)

@@ -64,6 +64,14 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get("LLMJAX_API_KEY") or None
 
 
+def warn_if_exposed(host: str, what: str) -> None:
+    """Warn on stderr (and in the log) that serving on `host`, an address other than loopback, is
+    `what`."""
+    if not is_loopback(host):
+        log.warning("serving on %s %s", host, what)
+        print(f"warning: serving on {host} {what}", file=sys.stderr, flush=True)
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -147,10 +155,9 @@ def run_server(args: argparse.Namespace) -> None:
     from llmjax.serve.api import build_app
 
     api_key = resolve_api_key(args)
-    if api_key is None and not is_loopback(args.host):
-        log.warning("serving on %s without an API key: anyone who can reach it can use it "
-                    "(set --api-key or LLMJAX_API_KEY)", args.host)
-        print(f"warning: no API key while binding {args.host}", file=sys.stderr, flush=True)
+    if api_key is None:
+        warn_if_exposed(args.host, "without an API key: anyone who can reach it can use it "
+                                   "(set --api-key or LLMJAX_API_KEY)")
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     sock = bind_socket(args.host, args.port)
     with exit_on_user_error():
