@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from pydantic import ValidationError
 from tqdm import tqdm
@@ -30,18 +30,21 @@ Conversation = Sequence[Mapping[str, Any]]  # messages: {"role": str, "content":
 
 
 def _template_message(message: Any, loc: tuple[str | int, ...]) -> dict[str, Any]:
-    """`message` as the chat template sees it: its `content` checked and made text by the server's
-    `ChatContent` (a string, or OpenAI text parts joined by newlines), its other keys as they are.
-    ValueError, worded as the server's 400 and placed at `loc` (the message's own), for anything
-    else."""
+    """`message` as the chat template sees it, as the server makes it: its `content` checked and made
+    text by the server's `ChatContent` (a string, or OpenAI text parts joined by newlines), role
+    `developer` as `system`, its other keys as they are. ValueError, worded as the server's 400 and
+    placed at `loc` (the message's own), for anything else."""
+    where = ".".join(map(str, loc))
     if not isinstance(message, Mapping):
-        raise ValueError(f"{'.'.join(map(str, loc))}: a message is a mapping with 'role' and 'content', "
-                         f"got {message!r:.80}")
+        raise ValueError(f"{where}: a message is a mapping with 'role' and 'content', got {message!r:.80}")
+    if not isinstance(message.get("role"), str):
+        raise ValueError(f"{where}.role: a message's role is a string, got {message.get('role')!r:.80}")
     try:
         content = ChatContent.model_validate({"content": message["content"]} if "content" in message else {})
     except ValidationError as exc:
         raise ValueError(validation_message([{**e, "loc": (*loc, *e["loc"])} for e in exc.errors()])[0]) from None
-    return {**message, "content": content.text()}
+    role = "system" if message["role"] == "developer" else message["role"]
+    return {**message, "role": role, "content": content.text()}
 
 
 class LLM:
@@ -79,10 +82,12 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; returns one finished `RequestOutput` per prompt, in order.
-        A prompt the engine refuses raises (`RequestError`, `SamplingParamsError`) with nothing left queued."""
+        A prompt the engine refuses raises (`RequestError`, `SamplingParamsError`) with nothing left queued.
+        `use_tqdm`: show a progress bar; a callable (vLLM's) makes the bar, taking tqdm's arguments.
+        Interrupted (Ctrl-C, an exception while stepping), it aborts the requests it queued."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         return self._run([self._engine_prompt(p) for p in prompts], sampling_params, use_tqdm)
@@ -91,7 +96,7 @@ class LLM:
         self,
         conversations: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (rendered with the chat template).
@@ -99,7 +104,8 @@ class LLM:
         ...}`, joined by newlines, as in vLLM and the server). A content the server would refuse (an
         image part, a missing text) raises ValueError with the server's message, its place given as
         `messages.I...` (one conversation) or `messages.C.I...`, with nothing queued; so does a
-        conversation that is no list of messages (a string, say)."""
+        conversation that is no list of messages (a string, say), or a message without a string role.
+        Each output's `prompt` is its rendered conversation, as in vLLM."""
         conversations = list(conversations)
         single = bool(conversations) and isinstance(conversations[0], Mapping)
         if single:
@@ -108,12 +114,17 @@ class LLM:
             if isinstance(conversation, (str, bytes, Mapping)) or not isinstance(conversation, Sequence):
                 raise ValueError(f"messages{'' if single else f'.{c}'}: a conversation is a list of messages "
                                  f"(mappings with 'role' and 'content'), got {conversation!r:.80}")
-        ids = [self.tokenizer.encode_chat([_template_message(m, ("messages", *(() if single else (c,)), i))
-                                           for i, m in enumerate(conversation)], add_generation_prompt)
-               for c, conversation in enumerate(conversations)]
-        return self._run(ids, sampling_params, use_tqdm)
+        messages = [[_template_message(m, ("messages", *(() if single else (c,)), i)) for i, m in enumerate(conv)]
+                    for c, conv in enumerate(conversations)]
+        ids = [self.tokenizer.encode_chat(m, add_generation_prompt) for m in messages]
+        outputs = self._run(ids, sampling_params, use_tqdm)
+        for output, m in zip(outputs, messages):
+            output.prompt = self.tokenizer.chat_prompt(m, add_generation_prompt)
+        return outputs
 
-    def _run(self, prompts: list[str | list[int]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[str | list[int]], sampling_params, use_tqdm) -> list[RequestOutput]:
+        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+            raise TypeError(f"use_tqdm is a bool or a callable that makes a tqdm bar, got {use_tqdm!r:.80}")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         elif not (isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes))
@@ -138,14 +149,20 @@ class LLM:
         engine.scheduler.input_closed = True
         results: dict[str, RequestOutput] = {}
         start, generated_before = time.perf_counter(), engine.num_generation_tokens
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
         try:
-            with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            with make_bar(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
                 while engine.has_unfinished_requests():
                     for output in engine.step():
                         results[output.request_id] = output
                         bar.update(1)
                     generated = engine.num_generation_tokens - generated_before
                     bar.set_postfix(tok_per_s=f"{generated / (time.perf_counter() - start):.1f}", refresh=False)
+        except BaseException:  # interrupted: the next call must not run (and pay for) these requests
+            for request_id in ids:
+                if request_id not in results:
+                    engine.abort(request_id)
+            raise
         finally:
             engine.scheduler.input_closed = False
         return [results[i] for i in ids]

@@ -57,7 +57,7 @@ class SamplingParams:
     temperature 0 (or below 1e-5) is greedy; top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable theirs.
     `seed` (any 64-bit integer) makes a request's samples reproducible whatever else shares its
     batch, up to float rounding (see `llmjax.sampler`); with `n` > 1 each of the n samples draws from
-    its own stream derived from it.
+    its own stream derived from it. -1 means no seed (None), as in vLLM.
     `stop` strings end generation and are cut from the text (unless `include_stop_str_in_output`),
     as is the text of an EOS or `stop_token_ids` token that ends it (its id stays in the token ids).
     `logprobs`: None for none, 0 for the sampled token's logprob, k for it plus the top k.
@@ -117,6 +117,8 @@ class SamplingParams:
         if self.seed is not None:
             self._check("seed", _is_int(self.seed) and SEED_MIN <= int(self.seed) < SEED_END,
                         f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+            if self.seed == -1:  # vLLM's "no seed"
+                object.__setattr__(self, "seed", None)
         if self.max_tokens is not None:
             self._int("max_tokens", self.max_tokens, 1, INT32_MAX)
         self._int("min_tokens", self.min_tokens, 0, INT32_MAX)

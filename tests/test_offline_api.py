@@ -81,7 +81,7 @@ def test_chat_renders_the_template(llm, add_generation_prompt):
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in conversation)
         text += "<assistant>" if add_generation_prompt else ""
         expected = [1] + char_ids(text)
-        assert out.prompt_token_ids == expected
+        assert out.prompt_token_ids == expected and out.prompt == text  # the rendered conversation, as vLLM's
         tokens = out.outputs[0].token_ids  # greedy: each the argmax of the dense reference (up to near-ties)
         logits = dense_logits(llm.engine, expected + tokens)[len(expected) - 1 : -1]
         assert len(tokens) == GREEDY.max_tokens
@@ -115,6 +115,7 @@ IMAGE = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}
     (["hi"], r"^messages\.0: a conversation is a list of messages"),
     ([[{"role": "user", "content": "ok"}], "hi"], r"^messages\.1: a conversation is a list of messages"),
     ([["hi"]], r"^messages\.0\.0: a message is a mapping"),
+    ([{"content": "hi"}], r"^messages\.0\.role: a message's role is a string"),
 ])
 def test_chat_refuses_other_content_with_the_servers_message(llm, conversations, message):
     with pytest.raises(ValueError, match=message):
@@ -122,6 +123,48 @@ def test_chat_refuses_other_content_with_the_servers_message(llm, conversations,
     assert not llm.engine.has_unfinished_requests()  # nothing queued, the next call unharmed
     [out] = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False)
     assert out.prompt_token_ids == [1] + char_ids("<user>hi\n<assistant>")
+
+
+def test_chat_reads_developer_as_system_as_the_server_does(llm):
+    [out] = llm.chat([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+                     SamplingParams(max_tokens=1), use_tqdm=False)
+    assert out.prompt_token_ids == [1] + char_ids("<system>Be brief.\n<user>hi\n<assistant>")
+
+
+def test_use_tqdm_takes_vllms_bar_factory_and_refuses_other_values(llm):
+    from tqdm import tqdm
+
+    made = []
+
+    def bar(*args, **kwargs):
+        made.append(kwargs["total"])
+        return tqdm(*args, **kwargs)
+
+    llm.generate(["a", "b"], SamplingParams(max_tokens=1), use_tqdm=bar)
+    assert made == [2]
+    with pytest.raises(TypeError, match="use_tqdm"):
+        llm.generate("a", SamplingParams(max_tokens=1), use_tqdm="no")
+
+
+def test_an_interrupted_generate_aborts_its_requests(llm, monkeypatch):
+    """Ctrl-C while generating: the requests it queued are aborted, so the next call runs only its own."""
+    engine, step, calls = llm.engine, llm.engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["a", "b", "c"], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+    monkeypatch.undo()
+    assert not engine.has_unfinished_requests()
+    engine.check_kv_invariants()
+    before = engine.num_generation_tokens
+    llm.generate("d", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert engine.num_generation_tokens - before == 3
 
 
 def test_get_tokenizer_is_the_engines(llm):

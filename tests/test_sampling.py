@@ -356,8 +356,9 @@ def test_stop_accepts_a_single_string():
 
 
 def test_extreme_valid_values_are_accepted():
-    for seed in (2**64 - 1, -(2**63), 1099511627776):
+    for seed in (2**64 - 1, -(2**63), 1099511627776, -2):
         assert SamplingParams(seed=seed).seed == seed
+    assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
     assert SamplingParams(top_k=2**31 - 1).top_k == 2**31 - 1
     assert SamplingParams(logit_bias={"5": 1, 7: -100}).logit_bias == {5: 1.0, 7: -100.0}
     assert SamplingParams(temperature=1e-9).greedy
