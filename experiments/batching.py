@@ -53,11 +53,11 @@ LOAD_COLUMNS = [("policy", "policy", ""), ("tokens_per_s", "served tok/s", ".1f"
 
 
 def configs(slots: int, max_model_len: int, chunk: int, max_delay: float) -> dict[str, EngineConfig]:
-    base = EngineConfig(max_num_seqs=slots, batch_size=slots, max_model_len=max_model_len,
+    base = EngineConfig(max_num_seqs=slots, max_model_len=max_model_len,
                         max_num_batched_tokens=max_model_len, enable_chunked_prefill=False,
-                        enable_prefix_caching=False, max_delay=max_delay)
-    return {"static": base.replace(scheduling_policy="static"),
-            "dynamic": base.replace(scheduling_policy="dynamic"),
+                        enable_prefix_caching=False)
+    return {"static": base.replace(scheduling_policy="static", batch_size=slots),
+            "dynamic": base.replace(scheduling_policy="dynamic", batch_size=slots, max_delay=max_delay),
             "continuous": base,
             "continuous + chunked": base.replace(enable_chunked_prefill=True, max_num_batched_tokens=chunk)}
 

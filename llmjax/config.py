@@ -30,6 +30,9 @@ HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")  # HF's 
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")  # the attention kernels read these
 DTYPES = KV_CACHE_DTYPES  # the model's weights and activations: the same three
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.8  # share of an accelerator's memory for weights, activations and KV cache
+DEFAULT_BATCH_SIZE = 8  # static/dynamic batching: requests per batch (at most max_num_seqs)
+DEFAULT_MAX_DELAY = 0.05  # dynamic batching: seconds a batch waits to fill
+BATCHING_FIELDS = {"batch_size": ("static", "dynamic"), "max_delay": ("dynamic",)}  # field -> policies that read it
 
 
 class ConfigError(ValueError):
@@ -349,8 +352,11 @@ class EngineConfig:
     `max_num_batched_tokens` is at least `max_num_seqs`, as vLLM requires (every running sequence
     gets its next token each step), and without chunked prefill at least `max_model_len` (a whole
     prompt runs in one step). Static and dynamic batches run all their members at once:
-    `batch_size` is at most `max_num_seqs`. `attention_backend`, `compilation_cache_dir` and `coordinator_address`
-    are None for their default, never empty.
+    `batch_size` is at most `max_num_seqs` (default `DEFAULT_BATCH_SIZE`, or `max_num_seqs` when
+    smaller); `max_delay` (dynamic only) defaults to `DEFAULT_MAX_DELAY`. Each is None under a
+    policy that does not read it, and giving it one is refused (it would have no effect).
+    `attention_backend`, `compilation_cache_dir` and `coordinator_address` are None for their
+    default, never empty.
     """
 
     max_num_batched_tokens: int = 512
@@ -363,8 +369,8 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None  # None: DEFAULT_GPU_MEMORY_UTILIZATION
     scheduling_policy: Literal["continuous", "static", "dynamic"] = "continuous"
     queue_order: Literal["fcfs", "lpm"] = "fcfs"
-    batch_size: int = 8
-    max_delay: float = 0.05
+    batch_size: int | None = None  # static/dynamic only
+    max_delay: float | None = None  # dynamic only
     attention_backend: str | None = None
     dtype: str | None = None
     kv_cache_dtype: str | None = None
@@ -378,8 +384,7 @@ class EngineConfig:
     process_id: int | None = None
 
     def __post_init__(self) -> None:
-        positive = ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_model_len", "batch_size",
-                    "stream_interval")
+        positive = ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_model_len", "stream_interval")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -399,6 +404,7 @@ class EngineConfig:
             raise ConfigError(f"unknown scheduling_policy {self.scheduling_policy!r}")
         if self.queue_order not in ("fcfs", "lpm"):
             raise ConfigError(f"unknown queue_order {self.queue_order!r}")
+        self._resolve_batching()
         if self.queue_order == "lpm" and not self.enable_prefix_caching:
             raise ConfigError("queue_order 'lpm' orders the waiting requests by their cached prefix: "
                               "it needs enable_prefix_caching")
@@ -417,12 +423,10 @@ class EngineConfig:
                 raise ConfigError("gpu_memory_utilization must be in (0, 1]")
             if self.kv_cache_memory_bytes is not None:
                 raise ConfigError("kv_cache_memory_bytes and gpu_memory_utilization both size the KV cache: give one")
-        if self.scheduling_policy != "continuous" and self.batch_size > self.max_num_seqs:
+        if self.batch_size is not None and self.batch_size > self.max_num_seqs:
             raise ConfigError(  # else members past max_num_seqs would join mid-batch: continuous batching
                 f"a {self.scheduling_policy} batch runs all its requests at once: "
                 f"batch_size ({self.batch_size}) > max_num_seqs ({self.max_num_seqs})")
-        if not 0 <= self.max_delay < math.inf:
-            raise ConfigError(f"max_delay must be a finite number of seconds >= 0, got {self.max_delay}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if self.tensor_parallel_size < 1:
@@ -432,5 +436,29 @@ class EngineConfig:
         if self.num_processes is not None and not 0 <= (self.process_id or 0) < self.num_processes:
             raise ConfigError(f"process_id must be in [0, num_processes={self.num_processes}), got {self.process_id}")
 
+    def _resolve_batching(self) -> None:
+        """Refuse `batch_size` / `max_delay` under a policy that does not read them; fill in their
+        defaults under one that does."""
+        for name, policies in BATCHING_FIELDS.items():
+            if getattr(self, name) is not None and self.scheduling_policy not in policies:
+                raise ConfigError(f"{name} applies to scheduling_policy {' or '.join(policies)} only, "
+                                  f"not {self.scheduling_policy!r}")
+        if self.scheduling_policy in BATCHING_FIELDS["batch_size"]:
+            if self.batch_size is None:
+                object.__setattr__(self, "batch_size", min(DEFAULT_BATCH_SIZE, self.max_num_seqs))
+            if self.batch_size <= 0:
+                raise ConfigError(f"batch_size must be positive, got {self.batch_size}")
+        if self.scheduling_policy in BATCHING_FIELDS["max_delay"]:
+            if self.max_delay is None:
+                object.__setattr__(self, "max_delay", DEFAULT_MAX_DELAY)
+            if not 0 <= self.max_delay < math.inf:
+                raise ConfigError(f"max_delay must be a finite number of seconds >= 0, got {self.max_delay}")
+
     def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with `changes`; a batching field (`BATCHING_FIELDS`) not among them is carried to a
+        policy that reads it and dropped (None) for one that does not."""
+        policy = changes.get("scheduling_policy", self.scheduling_policy)
+        for name, policies in BATCHING_FIELDS.items():
+            if name not in changes and policy not in policies:
+                changes[name] = None
         return dataclasses.replace(self, **changes)

@@ -18,11 +18,12 @@ from typing import Iterator
 
 from llmjax.attention.backend import BACKENDS
 from llmjax.cli_types import non_empty
-from llmjax.config import DEFAULT_GPU_MEMORY_UTILIZATION, DTYPES, KV_CACHE_DTYPES, ConfigError, EngineConfig
+from llmjax.config import (BATCHING_FIELDS, DEFAULT_BATCH_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_DELAY,
+                           DTYPES, KV_CACHE_DTYPES, ConfigError, EngineConfig)
 
-# Flags that only the batching policies named here read; default None, so that giving one to another
-# policy, where it would have no effect, is an error (the config's default fills in when not given).
-POLICY_FLAGS = {"batch_size": ("--batch-size", ("static", "dynamic")), "max_delay": ("--max-delay", ("dynamic",))}
+# The flags of the fields only some batching policies read (`BATCHING_FIELDS`); default None, so that
+# giving one to another policy, where it would have no effect, is an error naming the flag.
+POLICY_FLAGS = {"batch_size": "--batch-size", "max_delay": "--max-delay"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -53,9 +54,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue-order", choices=["fcfs", "lpm"], default=d.queue_order)
     parser.add_argument("--batch-size", type=int, default=None,
                         help=f"static/dynamic batching: requests per batch, at most --max-num-seqs "
-                             f"(default: {d.batch_size}, or --max-num-seqs when smaller)")
+                             f"(default: {DEFAULT_BATCH_SIZE}, or --max-num-seqs when smaller)")
     parser.add_argument("--max-delay", type=float, default=None,
-                        help=f"dynamic batching: seconds a batch waits to fill (default: {d.max_delay})")
+                        help=f"dynamic batching: seconds a batch waits to fill (default: {DEFAULT_MAX_DELAY})")
     parser.add_argument("--attention-backend", choices=BACKENDS, default=d.attention_backend,
                         help="default: 'cpu' (the native attention kernel) on CPU when it compiles, else 'xla' "
                              "(see docs/architecture.md, 'Choosing an implementation')")
@@ -80,20 +81,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """`EngineConfig` from the parsed flags: one per dataclass field (AttributeError if one is missing).
     `ConfigError` for an invalid config, and for a `POLICY_FLAGS` flag given to a policy that does not
-    read it. Defaults that depend on other flags: the token budget without chunked prefill covers
-    `max_model_len`; `batch_size` is at most `max_num_seqs`."""
+    read it. Without chunked prefill the default token budget covers `max_model_len`."""
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     values = {name: getattr(args, name) for name in fields}
     if values["max_num_batched_tokens"] is None:
         budget = fields["max_num_batched_tokens"].default
         values["max_num_batched_tokens"] = budget if values["enable_chunked_prefill"] else \
             max(budget, values["max_model_len"])
-    for name, (flag, policies) in POLICY_FLAGS.items():
-        if values[name] is None:
-            values[name] = fields[name].default
-            if name == "batch_size":
-                values[name] = min(values[name], values["max_num_seqs"])
-        elif values["scheduling_policy"] not in policies:
+    for name, flag in POLICY_FLAGS.items():
+        policies = BATCHING_FIELDS[name]
+        if values[name] is not None and values["scheduling_policy"] not in policies:
             raise ConfigError(f"{flag} applies to --scheduling-policy {' or '.join(policies)} only, "
                               f"not {values['scheduling_policy']}")
     return EngineConfig(**values)

@@ -13,7 +13,7 @@ import pytest
 
 from llmjax import cli_types
 from llmjax.cli import main
-from llmjax.config import EngineConfig
+from llmjax.config import DEFAULT_BATCH_SIZE, DEFAULT_MAX_DELAY, EngineConfig
 from llmjax.engine_args import add_engine_args, engine_config_from_args
 from llmjax.serve import routing
 
@@ -81,15 +81,15 @@ def engine_args(*argv: str) -> argparse.Namespace:
 
 
 def test_batching_flags_reach_the_config_of_their_policy_and_default_otherwise():
-    default = EngineConfig()
     config = engine_config_from_args(engine_args("--scheduling-policy", "dynamic", "--batch-size", "3",
                                                  "--max-delay", "0.5"))
     assert (config.scheduling_policy, config.batch_size, config.max_delay) == ("dynamic", 3, 0.5)
     config = engine_config_from_args(engine_args("--scheduling-policy", "static", "--batch-size", "5"))
-    assert (config.batch_size, config.max_delay) == (5, default.max_delay)
+    assert (config.batch_size, config.max_delay) == (5, None)  # static reads no delay
+    config = engine_config_from_args(engine_args("--scheduling-policy", "dynamic"))
+    assert (config.batch_size, config.max_delay) == (DEFAULT_BATCH_SIZE, DEFAULT_MAX_DELAY)
     config = engine_config_from_args(engine_args())
-    assert (config.scheduling_policy, config.batch_size, config.max_delay) == ("continuous", default.batch_size,
-                                                                              default.max_delay)
+    assert (config.scheduling_policy, config.batch_size, config.max_delay) == ("continuous", None, None)
     assert engine_config_from_args(engine_args("--dtype", "float16")).dtype == "float16"
     config = engine_config_from_args(engine_args("--scheduling-policy", "dynamic", "--max-num-seqs", "4"))
     assert config.batch_size == 4  # the default batch, capped at the seats

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmjax.config import PRESETS, ConfigError, EngineConfig
+from llmjax.config import DEFAULT_BATCH_SIZE, DEFAULT_MAX_DELAY, PRESETS, ConfigError, EngineConfig
 
 ENGINE_ERRORS = [
     (dict(max_num_seqs=0), "max_num_seqs must be positive"),
@@ -24,9 +24,14 @@ ENGINE_ERRORS = [
     (dict(gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 30), "both size the KV cache: give one"),
     (dict(scheduling_policy="static", batch_size=8, max_num_seqs=4), r"batch_size \(8\) > max_num_seqs \(4\)"),
     (dict(scheduling_policy="dynamic", batch_size=8, max_num_seqs=4), r"batch_size \(8\) > max_num_seqs \(4\)"),
-    (dict(max_delay=-0.1), "max_delay"),
-    (dict(max_delay=float("inf")), "max_delay must be a finite number"),
-    (dict(max_delay=float("nan")), "max_delay must be a finite number"),
+    (dict(scheduling_policy="dynamic", max_delay=-0.1), "max_delay"),
+    (dict(scheduling_policy="dynamic", max_delay=float("inf")), "max_delay must be a finite number"),
+    (dict(scheduling_policy="dynamic", max_delay=float("nan")), "max_delay must be a finite number"),
+    (dict(scheduling_policy="static", batch_size=0), "batch_size must be positive"),
+    # a field its policy does not read would have no effect
+    (dict(batch_size=4), "batch_size applies to scheduling_policy static or dynamic only, not 'continuous'"),
+    (dict(max_delay=0.1), "max_delay applies to scheduling_policy dynamic only, not 'continuous'"),
+    (dict(scheduling_policy="static", max_delay=0.1), "max_delay applies to scheduling_policy dynamic only"),
     (dict(seed=-1), "seed must be >= 0"),
     (dict(dtype="int8"), "dtype must be one of"),
     (dict(queue_order="lpm", enable_prefix_caching=False), "queue_order 'lpm' .* needs enable_prefix_caching"),
@@ -48,7 +53,7 @@ def test_engine_config_refuses(fields, message):
 
 
 def test_engine_config_accepts_its_edges():
-    EngineConfig(block_size=1, gpu_memory_utilization=1.0, max_delay=0.0)
+    EngineConfig(block_size=1, gpu_memory_utilization=1.0, scheduling_policy="dynamic", max_delay=0.0)
     EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=2048, max_model_len=2048)
     EngineConfig(max_num_batched_tokens=64, max_num_seqs=64)
     EngineConfig(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=1)
@@ -71,3 +76,13 @@ MODEL_ERRORS = [
 def test_model_config_refuses(base, fields, message):
     with pytest.raises(ConfigError, match=message):
         base.replace(**fields)
+
+
+def test_batching_defaults_follow_the_policy_and_replace_carries_them_where_read():
+    assert (EngineConfig().batch_size, EngineConfig().max_delay) == (None, None)
+    static = EngineConfig(scheduling_policy="static", max_num_seqs=4)
+    assert (static.batch_size, static.max_delay) == (4, None)  # the default batch, capped at the seats
+    dynamic = static.replace(scheduling_policy="dynamic")
+    assert (dynamic.batch_size, dynamic.max_delay) == (4, DEFAULT_MAX_DELAY)
+    assert dynamic.replace(scheduling_policy="continuous").batch_size is None
+    assert EngineConfig(scheduling_policy="static").batch_size == DEFAULT_BATCH_SIZE

@@ -58,7 +58,7 @@ def test_synergy_ladder_adds_one_optimization_per_rung(gpu):
 
     ladder = list(synergy.rungs(slots=4, paged_batch=12, chunk=256, kv_bytes=1 << 26, gpu=gpu).values())
     changed = [{k for k, v in asdict(cur).items() if asdict(prev)[k] != v} for prev, cur in zip(ladder, ladder[1:])]
-    expected = [{"batch_size", "max_num_seqs"}, {"scheduling_policy"},
+    expected = [{"batch_size", "max_num_seqs"}, {"scheduling_policy", "batch_size"},  # continuous reads no batch
                 {"enable_chunked_prefill", "max_num_batched_tokens"}, {"enable_prefix_caching"}]
     assert changed == expected + ([{"attention_backend"}] if gpu else [{"attention_backend"}, {"dtype"}])
     assert ladder[0].attention_backend == "xla" and ladder[0].scheduling_policy == "static"

@@ -57,10 +57,13 @@ def assert_all_finished(result, trace: list[TraceRequest]) -> None:
         assert r.token_times == sorted(r.token_times)
 
 
-@pytest.mark.parametrize("policy", ["continuous", "static", "dynamic"])
+POLICIES = {"continuous": {}, "static": dict(batch_size=4), "dynamic": dict(batch_size=4, max_delay=2.0)}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
 def test_paged_pool_under_pressure_finishes_everything(policy: str) -> None:
     trace = random_trace(seed=1)
-    config = CONFIG.replace(scheduling_policy=policy, batch_size=4, max_delay=2.0)
+    config = CONFIG.replace(scheduling_policy=policy, **POLICIES[policy])
     kv = KVCacheManager(num_blocks=24, block_size=4, enable_prefix_caching=False)  # 92 slots: preemption
     result, steps = run_checked(config, kv, trace)
     assert_all_finished(result, trace)
