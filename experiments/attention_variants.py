@@ -18,7 +18,8 @@ smaller attention get a wider MLP, so quality differences are not parameter diff
    same batches, same seed): the mean difference in validation loss and its 95% t-interval over seeds;
    the verdict on each of the papers' claims is read from those intervals (`quality_verdict`).
 
-    python experiments/attention_variants.py [--train-steps 300] [--seeds 0,1,2,3,4] [--kv-budget-mib 16]
+    python experiments/attention_variants.py [--train-steps 160] [--batch 8] [--seq 64] [--seeds 0,1,2,3,4]
+        [--kv-budget-mib 16]      (the defaults are results/attention_variants.md's run)
     python experiments/attention_variants.py --quick     (smoke run into build/results-quick/)
 """
 
@@ -252,9 +253,9 @@ def main() -> None:
     ap.add_argument("--request-len", type=int, default=256)
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--train-steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--train-steps", type=int, default=160)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated training seeds (at least 2)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 20 training steps, seeds 0,1, 16 decode "
                     "tokens; written to build/results-quick/")

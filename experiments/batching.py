@@ -83,13 +83,20 @@ def offered_load(trace: list) -> float:
     return sum(r.output_len for r in trace) / max(r.arrival for r in trace)
 
 
+OVERLOAD_MARGIN = 0.1  # capacity within 10% of the offered load is too close to call on a noisy machine
+
+
 def overloaded(capacity_rows: list[dict], offered: float) -> str:
-    """The sentence naming the policies whose capacity is below the offered load (their queue grows)."""
-    names = [r["policy"] for r in capacity_rows if r["tokens_per_s"] < offered]
+    """The sentence naming the policies whose capacity is below the offered load (their queue grows),
+    with `OVERLOAD_MARGIN`: one within it is said to be too close to call."""
+    names = [r["policy"] for r in capacity_rows if r["tokens_per_s"] < (1 - OVERLOAD_MARGIN) * offered]
+    close = [r["policy"] for r in capacity_rows if abs(r["tokens_per_s"] / offered - 1) <= OVERLOAD_MARGIN]
+    note = (f" Within {OVERLOAD_MARGIN:.0%} of the offered load (too close to call): {', '.join(close)}."
+            if close else "")
     if not names:
-        return "Every policy's capacity exceeds the offered load, so each keeps up with the arrivals."
+        return "No policy's capacity is clearly below the offered load." + note
     return (f"Overloaded (capacity below the offered load, so the queue grows for the whole run and TTFT "
-            f"measures the backlog): {', '.join(names)}.")
+            f"measures the backlog): {', '.join(names)}." + note)
 
 
 def world_section(title: str, setup: str, capacity: list[dict], load: list[dict], offered: float) -> list[str]:

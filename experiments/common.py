@@ -3,7 +3,7 @@ or the simulator (virtual clock), latency statistics, step logs, timeline plots 
 
 Both replays return the same things, so every experiment measures the two worlds with one code path:
 - `Timing` per finished request: arrival, token times (first = TTFT), prompt/output length;
-- a `StepLog`: per step, its end time and `(request_id, new_tokens)` of each scheduled request.
+- a `StepLog`: per step, its start and end times and `(request_id, new_tokens)` of each scheduled request.
 
 Wall-clock replay (`replay_engine`) adds each request when `time.monotonic()` passes its arrival,
 then steps. JIT compilation would stall the clock, so (1) `warm_engine` compiles the step buckets
@@ -76,7 +76,7 @@ class Timing:
         return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else float("nan")
 
 
-StepLog = list[tuple[float, list[tuple[str, int]]]]  # (step end time, [(request id, new tokens)])
+StepLog = list[tuple[float, float, list[tuple[str, int]]]]  # (step start, step end, [(request id, new tokens)])
 
 
 @dataclass
@@ -95,7 +95,7 @@ class Replay:
         itl = np.concatenate([t.itls for t in self.timings] or [np.zeros(0)])
         tpot = np.array([t.tpot for t in self.timings if len(t.token_times) > 1])
         tokens = sum(len(t.token_times) for t in self.timings)
-        used = np.array([len(s) for _, s in self.steps])
+        used = np.array([len(s) for *_, s in self.steps])
         pct = lambda a, q: float(np.percentile(a, q) * 1e3) if len(a) else float("nan")  # noqa: E731
         return {
             "requests": len(self.timings), "tokens_per_s": tokens / self.duration,
@@ -119,8 +119,8 @@ def replay_sim(config: EngineConfig, requests: list[TraceRequest], cost: CostMod
     num_blocks = kv_bytes // (config.block_size * cost.kv_bytes_per_token)
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
     steps: StepLog = []
-    log = lambda sim, out, dt: steps.append((sim.now, [(r.request_id, int(n))  # noqa: E731
-                                                       for r, n in zip(out.requests, out.num_new_tokens)]))
+    log = lambda sim, out, dt: steps.append((sim.now - dt, sim.now, [(r.request_id, int(n))  # noqa: E731
+                                                                  for r, n in zip(out.requests, out.num_new_tokens)]))
     result = Simulator(config, kv, cost, [log]).run(requests, progress=progress)
     timings = [Timing(r.request_id, r.arrival_time, list(r.token_times), len(r.prompt_token_ids))
                for r in result.finished]
@@ -220,11 +220,12 @@ def replay_engine(engine, requests: list[TraceRequest], progress: str | None = N
         finally:
             sched.schedule = real_schedule
         t1 = time.monotonic()
+        start = t0 - origin - stalled
         if engine.runner.num_compiles != compiles:
             shifts.append((t0, t1 - t0))
             stalled += t1 - t0
-        if scheduled:
-            steps.append((t1 - origin - stalled, scheduled))
+        if scheduled:  # a step that compiled has its stall taken off the clock: it spans no time
+            steps.append((start, t1 - origin - stalled, scheduled))
         for out in step_outputs:
             if out.finished:
                 outputs.append(out)
@@ -245,15 +246,15 @@ def replay_engine(engine, requests: list[TraceRequest], progress: str | None = N
 
 # --- plots and reports -----------------------------------------------------------------------------------
 def plot_timeline(ax, replay: Replay, request_ids: list[str], title: str, t_max: float | None = None) -> None:
-    """Which of `request_ids` runs in which step: waiting (grey), prefill (orange), decode (blue) per step."""
+    """Which of `request_ids` runs in which step: waiting (grey), prefill (orange), decode (blue) per step,
+    each step drawn from its start to its end (the time between steps, a batch filling or no work, stays
+    grey)."""
     arrival = {t.request_id: t.arrival for t in replay.timings}
-    prev = 0.0
     spans: dict[str, list] = {r: [] for r in request_ids}
-    for end, sched in replay.steps:
+    for start, end, sched in replay.steps:
         for rid, n in sched:
             if rid in spans:
-                spans[rid].append((prev, end - prev, n))
-        prev = end
+                spans[rid].append((start, end - start, n))
     for y, rid in enumerate(request_ids):
         runs = spans[rid]
         done = max((s + w for s, w, _ in runs), default=arrival.get(rid, 0.0))

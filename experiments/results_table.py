@@ -267,8 +267,10 @@ def batching(d: dict, n: Numbers) -> str:
     return (f"at capacity, continuous batching serves {n(sim_cap[2]['speedup'], '.2f')}x static's tokens/s in the "
             f"simulated A100/OPT-13B and {n(cpu_cap[2]['speedup'], '.2f')}x on the CPU engine; under Poisson load "
             f"p50 TTFT {n(sim[0]['ttft_p50_ms'], '.0f', 1e-3)} s -> {n(sim[2]['ttft_p50_ms'], '.2f', 1e-3)} s "
-            f"(simulated) and {n.join([r['ttft_p50_ms'] for r in cpu[:3]], '.0f')} ms (CPU, static / dynamic / "
-            "continuous)")
+            f"(simulated; the load is {n.ratio(d['sim_offered_tokens_per_s'], sim_cap[0]['tokens_per_s'], '.1f')}x "
+            f"static's capacity, so static's TTFT is the backlog of "
+            f"a {n(d['args']['sim_requests'], 'd')}-request trace and grows with its length) and "
+            f"{n.join([r['ttft_p50_ms'] for r in cpu[:3]], '.0f')} ms (CPU, static / dynamic / continuous)")
 
 
 def chunked_prefill(d: dict, n: Numbers) -> str:

@@ -293,7 +293,8 @@ def toward(sens: list[dict], base: dict, name: str, key: str = "token_states") -
         verb = "toward" if after < before - 0.05 else "away from" if after > before + 0.05 else "no nearer to"
         moves.append(f"sigma {row['sigma_prompt']}/{row['sigma_output']} moves it {verb} the paper "
                      f"({row[name][key]:.1f})")
-    return f"{name} {key.replace('_', ' ')} (ours {base[name][key]:.1f}, paper {target:.1f}): " + "; ".join(moves)
+    return (f"{name} {key.replace('_', ' ')} (ours at seed 0 {base[name][key]:.1f}, paper {target:.1f}): "
+            + "; ".join(moves))
 
 
 def report(runs, ours, sens, args) -> str:

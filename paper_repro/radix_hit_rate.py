@@ -389,21 +389,10 @@ def summary(scale: dict) -> dict:
             "lpm_ttft": r["lpm"][0]["ttft"], "lpm_hit_rates": [row["hit_rate"] for row in r["lpm"]]}
 
 
-def report(engine: dict | None, scale: dict, args: argparse.Namespace) -> str:
-    engine_section = "(skipped: --skip-engine)" if not engine else "\n".join(engine_table(engine))
-    kv_tokens = next(iter(next(iter(engine.values())).values()))["kv_tokens"] if engine else 0
-    skipped = 1 - 1 / PAPER_SPEEDUP
-    return f"""The paper (Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs", 2024)
-reports cache hit rates of {PAPER_HIT_RATES} on its benchmarks (few-shot, multi-turn chat, tree of
-thought, long-document QA, agents), and up to {PAPER_SPEEDUP}x the throughput of state-of-the-art inference
-systems for SGLang as a whole (RadixAttention with its other optimizations, such as compressed finite-state
-machines for constrained decoding), on GPUs and 7B-70B models.
-
-![hit rates](radix_hit_rate.png)
-
-## 1. The real engine on CPU
-
-SmolLM2-135M (embedded model), xla attention, float32, {args.engine_kv_mib} MiB of KV cache ({kv_tokens}
+def engine_setup(engine: dict, args: argparse.Namespace) -> str:
+    """How the engine part ran (only for a run that had one)."""
+    kv_tokens = int(next(iter(next(iter(engine.values())).values()))["kv_tokens"])
+    return f"""SmolLM2-135M (embedded model), xla attention, float32, {args.engine_kv_mib} MiB of KV cache ({kv_tokens}
 tokens, so some workloads evict), block size 16, at most 256 tokens and 8 requests per step, greedy,
 {args.max_tokens} output tokens per request, all requests of a round submitted at once (multi-turn chat:
 a round per turn, each prompt carrying the model's real earlier replies). Prompts are random token ids
@@ -414,6 +403,22 @@ work saved: steadier than wall time on these two shared cores); TTFT includes qu
 requests of the round. Each workload and mode runs {args.repeats} times on fresh engines, the three modes
 of a repeat back to back in a rotating order; req/s and TTFT are medians over the repeats, a speedup is
 the median of the repeats' ratios to the same repeat's run with caching off (the range in brackets).
+
+{chr(10).join(engine_table(engine))}"""
+
+
+def report(engine: dict | None, scale: dict, args: argparse.Namespace) -> str:
+    engine_section = engine_setup(engine, args) if engine else "(skipped: --skip-engine)"
+    skipped = 1 - 1 / PAPER_SPEEDUP
+    return f"""The paper (Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs", 2024)
+reports cache hit rates of {PAPER_HIT_RATES} on its benchmarks (few-shot, multi-turn chat, tree of
+thought, long-document QA, agents), and up to {PAPER_SPEEDUP}x the throughput of state-of-the-art inference
+systems for SGLang as a whole (RadixAttention with its other optimizations, such as compressed finite-state
+machines for constrained decoding), on GPUs and 7B-70B models.
+
+![hit rates](radix_hit_rate.png)
+
+## 1. The real engine on CPU
 
 {engine_section}
 

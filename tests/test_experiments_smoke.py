@@ -26,7 +26,7 @@ def test_replay_sim_every_policy_finishes_with_sane_stats(policy):
     assert stats["requests"] == 40
     assert all(len(t.token_times) == r.output_len for t, r in zip(sorted(replay.timings, key=lambda t: int(t.request_id[1:])), reqs))
     assert 0 <= stats["idle_slots"] < 1 and stats["ttft_p50_ms"] > 0
-    assert all(len(s) <= 8 for _, s in replay.steps)
+    assert all(len(s) <= 8 and start <= end for start, end, s in replay.steps)
 
 
 def test_chunking_lowers_itl_and_raises_ttft_in_the_simulator():
