@@ -60,8 +60,7 @@ NAMESPACES = [None, None, None, "tenant-a", "tenant-b"]
 SCENARIOS = [(1, False, True, {}), (2, True, True, {}), (3, False, True, dict(queue_order="lpm")),
              (4, True, True, dict(stream_interval=3)), (5, False, False, {}),
              (6, True, True, dict(queue_order="lpm", stream_interval=2)),
-             (7, False, True, dict(max_num_batched_tokens=16)), (8, True, True, dict(max_num_batched_tokens=16)),
-             (9, True, True, {}), (10, False, True, {})]
+             (7, False, True, dict(max_num_batched_tokens=16)), (8, True, True, dict(max_num_batched_tokens=16))]
 
 
 def scenario_id(scenario) -> str:

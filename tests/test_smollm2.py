@@ -285,7 +285,7 @@ def test_engine_bfloat16_greedy_agrees_with_hf_bfloat16(hf):
     engine = LLMEngine(loaded, tokenizer, EngineConfig(max_num_batched_tokens=32, max_num_seqs=4, max_model_len=256,
                                                        kv_cache_memory_bytes=64 << 20))
     assert engine.runner.cache[0].dtype.itemsize == 2  # the KV cache follows the weights
-    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:4]]
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:2]]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     done = {out.request_id: out.outputs[0].token_ids for out in drain(engine, ids)}
