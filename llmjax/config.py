@@ -274,6 +274,9 @@ def model_config_from_gguf_metadata(meta: dict[str, Any]) -> ModelConfig:
             raise ConfigError(f"GGUF metadata lacks {arch}.{key}")
         return value
 
+    if meta.get(f"{arch}.expert_count"):
+        raise ConfigError(f"mixture-of-experts GGUF files ({arch}.expert_count = {meta[f'{arch}.expert_count']}) "
+                          "are not supported; llmjax reads dense llama models")
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))

@@ -100,11 +100,13 @@ def test_model_settings_llmjax_cannot_honour_are_refused(change, message):
         model_config_from_hf(hf)
 
 
-def test_gguf_rope_scaling_other_than_linear_is_refused():
+def test_gguf_rope_scaling_other_than_linear_and_experts_are_refused():
     meta = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 8,
             "llama.vocab_size": 320, "llama.feed_forward_length": 96, "llama.block_count": 2}
     with pytest.raises(ConfigError, match="GGUF RoPE scaling 'yarn' is not supported"):
         model_config_from_gguf_metadata({**meta, "llama.rope.scaling.type": "yarn"})
+    with pytest.raises(ConfigError, match="mixture-of-experts GGUF files"):  # Mixtral as llama.cpp writes it
+        model_config_from_gguf_metadata({**meta, "llama.expert_count": 8})
 
 
 def _llama_cpp_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
@@ -118,16 +120,13 @@ def _llama_cpp_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
     return np.where(wavelen < old / hi, 1.0, np.where(wavelen > old / lo, factor, 1 / ((1 - smooth) / factor + smooth)))
 
 
-def test_a_llama3_gguf_with_rope_frequency_factors_matches_transformers(tmp_path):
-    """A GGUF as llama.cpp's converter writes a Llama 3 model (q/k rows permuted, the RoPE scaling as a
-    rope_freqs.weight tensor, no rope.scaling keys) gives the HF model's logits."""
+def _write_llama_gguf(path, hf_model, kwargs, extra_tensors=()) -> None:
+    """`hf_model` (HF Llama) as llama.cpp's converter writes it: GGUF names, q/k rows (and biases) in
+    its RoPE order; then `extra_tensors` ((name, array) pairs)."""
     import gguf
 
-    config_name, kwargs = CASES["llama3-rope"]
-    hf_model = _save_hf(tmp_path / "hf", config_name, kwargs)
-    cfg, heads, kv_heads = hf_model.config, kwargs["num_attention_heads"], kwargs["num_key_value_heads"]
-    head_dim = kwargs["hidden_size"] // heads
-    writer = gguf.GGUFWriter(str(tmp_path / "llama3.gguf"), "llama")
+    heads, kv_heads = kwargs["num_attention_heads"], kwargs["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(kwargs["max_position_embeddings"])
     writer.add_embedding_length(kwargs["hidden_size"])
     writer.add_block_count(kwargs["num_hidden_layers"])
@@ -143,27 +142,71 @@ def test_a_llama3_gguf_with_rope_frequency_factors_matches_transformers(tmp_path
     for name, tensor in hf_model.state_dict().items():
         w = tensor.float().numpy()
         if name.startswith("model.layers."):
-            _, _, layer, rest = name.removesuffix(".weight").split(".", 3)
+            stem, kind = name.rsplit(".", 1)  # kind: weight or bias
+            _, _, layer, rest = stem.split(".", 3)
             n = {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads}.get(rest)
             if n:  # llama.cpp's row order for its RoPE
                 w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-            name = f"blk.{layer}.{per_layer[rest]}.weight"
+            name = f"blk.{layer}.{per_layer[rest]}.{kind}"
         else:
             name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                     "lm_head.weight": "output.weight"}[name]
         writer.add_tensor(name, np.ascontiguousarray(w))
-    rope = {**(getattr(cfg, "rope_parameters", None) or cfg.rope_scaling), "rope_theta": kwargs["rope_theta"]}
-    writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_factors(rope, head_dim).astype(np.float32))
+    for name, w in extra_tensors:
+        writer.add_tensor(name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    ours = load_model(str(tmp_path / "llama3.gguf"))
-    assert ours.config.rope_params["rope_type"] == "freq_factors"
-    tokens = np.random.default_rng(0).integers(0, kwargs["vocab_size"], size=(1, 48))
+
+
+def _assert_logits_match(ours, hf_model, vocab_size: int) -> None:
+    tokens = np.random.default_rng(0).integers(0, vocab_size, size=(1, 48))
     with torch.no_grad():
         expected = hf_model(torch.tensor(tokens)).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours.module()(tokens)), expected, atol=1e-4, rtol=0)
+
+
+def test_a_llama3_gguf_with_rope_frequency_factors_matches_transformers(tmp_path):
+    """A GGUF as llama.cpp's converter writes a Llama 3 model (q/k rows permuted, the RoPE scaling as a
+    rope_freqs.weight tensor, no rope.scaling keys) gives the HF model's logits."""
+    config_name, kwargs = CASES["llama3-rope"]
+    hf_model = _save_hf(tmp_path / "hf", config_name, kwargs)
+    cfg = hf_model.config
+    rope = {**(getattr(cfg, "rope_parameters", None) or cfg.rope_scaling), "rope_theta": kwargs["rope_theta"]}
+    factors = _llama_cpp_rope_factors(rope, kwargs["hidden_size"] // kwargs["num_attention_heads"])
+    _write_llama_gguf(tmp_path / "llama3.gguf", hf_model, kwargs, [("rope_freqs.weight", factors.astype(np.float32))])
+    ours = load_model(str(tmp_path / "llama3.gguf"))
+    assert ours.config.rope_params["rope_type"] == "freq_factors"
+    _assert_logits_match(ours, hf_model, kwargs["vocab_size"])
+
+
+def test_a_gguf_with_attention_biases_matches_transformers_under_any_file_name(tmp_path):
+    """HF Llama's `attention_bias` as llama.cpp writes it (q/k/v/output biases, q/k in its RoPE order)
+    gives the HF model's logits; a GGUF file is known by its magic bytes whatever its name (as Ollama
+    stores them), and another file is refused."""
+    kwargs = dict(LLAMA, num_hidden_layers=2, num_key_value_heads=2, attention_bias=True)
+    hf_model = _save_hf(tmp_path / "hf", "LlamaConfig", kwargs)
+    blob = tmp_path / "sha256-0123abcd"
+    _write_llama_gguf(blob, hf_model, kwargs)
+    ours = load_model(str(blob))
+    assert ours.config.attention_bias and ours.config.attention_out_bias
+    _assert_logits_match(ours, hf_model, kwargs["vocab_size"])
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(WeightLoadError, match="notes.txt is no GGUF file"):
+        load_model(str(tmp_path / "notes.txt"))
+
+
+def test_a_gguf_with_tensors_llmjax_does_not_use_is_refused(tmp_path):
+    """A tensor the model would not read (here Qwen3-style q/k norms) would be dropped silently, giving
+    wrong outputs: such a file is refused, naming the tensors."""
+    kwargs = dict(LLAMA, num_hidden_layers=1, num_key_value_heads=2)
+    hf_model = _save_hf(tmp_path / "hf", "LlamaConfig", kwargs)
+    norm = np.ones(8, np.float32)
+    _write_llama_gguf(tmp_path / "qk_norm.gguf", hf_model, kwargs,
+                      [("blk.0.attn_q_norm.weight", norm), ("blk.0.attn_k_norm.weight", norm)])
+    with pytest.raises(WeightLoadError, match="does not use: blk.0.attn_k_norm.weight, blk.0.attn_q_norm.weight"):
+        load_model(str(tmp_path / "qk_norm.gguf"))
 
 
 def test_a_broken_checkpoint_is_a_clear_error(tmp_path):

