@@ -56,12 +56,24 @@ def _strftime_now(format: str) -> str:
     return datetime.datetime.now().strftime(format)
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """HF's `{% generation %}...{% endgeneration %}` block (it marks the assistant's tokens for
+    training masks): rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)  # the tag's name
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 @functools.lru_cache(maxsize=16)
 def _compiled_template(template: str) -> jinja2.Template:
     """`template` compiled in the environment HF's `apply_chat_template` gives templates: sandboxed,
-    `trim_blocks`/`lstrip_blocks`, `{% break %}`/`{% continue %}`, its `tojson`, `raise_exception`
-    and `strftime_now` (Llama 3's templates write today's date with it)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    `trim_blocks`/`lstrip_blocks`, `{% break %}`/`{% continue %}`, `{% generation %}`, its `tojson`,
+    `raise_exception` and `strftime_now` (Llama 3's templates write today's date with it)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, _GenerationTag])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -69,10 +81,11 @@ def _compiled_template(template: str) -> jinja2.Template:
 
 
 def render_chat_template(template: str, messages: Sequence[Message], add_generation_prompt: bool, **special: Any) -> str:
-    """Render `template` as HF does: `messages`, `add_generation_prompt` and the special tokens
-    (`bos_token`, `eos_token`, ...: the tokenizer's `special_tokens_map`)."""
-    return _compiled_template(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                               **special)
+    """Render `template` as HF does: `messages`, `add_generation_prompt`, no `tools` or `documents`
+    (None, so `tools is not none` is false) and the special tokens (`bos_token`, `eos_token`, ...:
+    the tokenizer's `special_tokens_map`)."""
+    return _compiled_template(template).render(messages=list(messages), tools=None, documents=None,
+                                               add_generation_prompt=add_generation_prompt, **special)
 
 
 class Tokenizer:

@@ -83,12 +83,16 @@ def test_chat_template_matches_transformers(hf, ours):
 
 
 # Jinja features HF's apply_chat_template gives templates: its tojson (no HTML escapes, non-ASCII kept),
-# {% break %} / {% continue %}, strftime_now (Llama 3's date line) and every special token by name
+# {% break %} / {% continue %}, strftime_now (Llama 3's date line), every special token by name,
+# the {% generation %} block, and `tools` / `documents` defined as None
 TEMPLATES = [
     "{% for m in messages %}{{ m['content'] | tojson }}{{ m | tojson(indent=2, sort_keys=true) }}{% endfor %}",
     "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}{{ m['content'] }}"
     "{% if loop.index >= 2 %}{% break %}{% endif %}{% endfor %}",
     "{{ bos_token }}{{ unk_token }}{{ pad_token }}Today: {{ strftime_now('%d %b %Y') }}{{ eos_token }}",
+    "{% if tools is not none %}[TOOLS]{{ tools | tojson }}{% endif %}{% if documents is not none %}[DOCS]{% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}>{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+    "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}",
 ]
 
 
