@@ -385,12 +385,12 @@ class LLMEngine:
         """Apply a step's results (the scheduler's update, then text, stop strings and outputs); its
         delta outputs. `step()` calls it once the device has returned them."""
         t1 = time.perf_counter()
+        now = time.monotonic()  # the step's tokens' time: before the update stamps the finished requests
         if result.prompt_logprobs is not None:
             self._collect_prompt_logprobs(out, result.prompt_logprobs)
         indices, appended = self.scheduler.update_from_output(out, result.token_ids)
         t2 = time.perf_counter()
         self.time_update += t2 - t1
-        now = time.monotonic()
         outputs: list[RequestOutput] = []
         grouped: dict[_Parent, list[Request]] = {}  # parents with n > 1: their samples that changed, in order
         self.num_generation_tokens += len(appended)
@@ -616,6 +616,7 @@ class LLMEngine:
         if finished:
             metrics.finish_time = max(c.finish_time for c in kids)
             metrics.num_preemptions = sum(c.num_preemptions for c in kids)
+            metrics.finish_reasons = [c.finish_reason for c in kids]
             del self._parents[parent.request_id]
             parent.finished = True
         prompt_logprobs = None

@@ -46,6 +46,7 @@ class RequestMetrics:
     num_preemptions: int = 0
     num_generation_tokens: int = 0  # over all samples, so far
     token_times: list[float] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)  # per sample, once finished
 
 
 @dataclass(slots=True)

@@ -409,6 +409,10 @@ def test_request_metrics_count_each_finished_request(client):
     assert delta("request_generation_tokens_count") == 2 and 6 <= delta("request_generation_tokens_sum") <= 8
     for name in ("queue", "prefill", "decode"):
         assert delta(f"request_{name}_time_seconds_count") == 2
+    # each sample counts its finish reason, as vLLM counts the child requests of n samples
+    answer = complete(client, prompt="abcd", max_tokens=2, ignore_eos=True, n=3, temperature=1.0, seed=1)
+    assert [c["finish_reason"] for c in answer["choices"]] == ["length"] * 3
+    assert snapshot()[0]["length"] - success["length"] == 3
 
 
 def test_latency_metrics_are_the_requests_own_timings(client, app):
@@ -434,6 +438,7 @@ def test_latency_metrics_are_the_requests_own_timings(client, app):
         "inter_token_latency_seconds": [b - a for a, b in zip(m.token_times, m.token_times[1:])],
     }
     assert len(expected["inter_token_latency_seconds"]) == 5  # one gap between each two of the 6 tokens' steps
+    assert m.first_token_time <= m.token_times[-1] <= m.finish_time  # the last token came before the finish
     for name, values in expected.items():
         count = after[f"llmjax:{name}_count"] - before[f"llmjax:{name}_count"]
         total = after[f"llmjax:{name}_sum"] - before[f"llmjax:{name}_sum"]

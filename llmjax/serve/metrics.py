@@ -8,7 +8,7 @@ live in one process. Every sample carries `model_name`, except `cache_config_inf
 which carries the KV cache's configuration in its labels, as vLLM's does.
 
 Prefix-cache queries and hits count tokens, as vLLM's do: queried prompt tokens and the tokens
-found cached. A router reads them, and the running/waiting gauges, from each replica.
+found cached (`experiments/routing.py` and `load.py` read them from each replica with `parse_metrics`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ from llmjax.serve.async_engine import EngineStats
 
 PREFIX = "llmjax:"
 FINISH_REASONS = ("stop", "length", "abort", "error")
-# vLLM's buckets: token latencies (TTFT, ITL) from 1 ms, a request's phases and whole life up to ~2 hours
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                   10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vLLM's buckets: TTFT from 1 ms, inter-token latency from 10 ms, a request's phases and whole life up to
+# ~2 hours
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)
 
@@ -86,12 +89,13 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats, model_name))
 
-        def histogram(name: str, doc: str, buckets=LATENCY_BUCKETS) -> Histogram:
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
             h = Histogram(PREFIX + name, doc, ["model_name"], registry=self.registry, buckets=buckets)
             return h.labels(model_name)
 
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.")
-        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive generated tokens.")
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive generated tokens.",
+                             ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish, for requests not aborted.",
                              REQUEST_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
@@ -103,7 +107,7 @@ class ServerMetrics:
         self.prompt_tokens = histogram("request_prompt_tokens", "Prompt length of finished requests.", tokens)
         self.generation_tokens = histogram("request_generation_tokens", "Tokens generated per finished request.",
                                            tokens)
-        success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+        success = Counter(PREFIX + "request_success", "Finished samples by finish reason (n per request).",
                           ["model_name", "finished_reason"], registry=self.registry)
         self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
         info = Gauge(PREFIX + "cache_config_info", "The KV cache's configuration (in the labels).",
@@ -111,7 +115,9 @@ class ServerMetrics:
         info.labels(**cache_config).set(1)
 
     def observe_finished(self, output: RequestOutput) -> None:
-        """Record a finished request (from the engine's monotonic timestamps)."""
+        """Record a finished request (from the engine's monotonic timestamps): its histograms once,
+        and each sample's finish reason (a request with n samples counts n, as in vLLM, whose
+        samples are requests of their own). A request aborted has no e2e or decode time."""
         m = output.metrics
         if m.first_scheduled_time is not None:
             self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
@@ -121,12 +127,12 @@ class ServerMetrics:
             self.ttft.observe(m.first_token_time - m.arrival_time)
         for before, after in zip(m.token_times, m.token_times[1:]):
             self.itl.observe(after - before)
-        reason = output.outputs[-1].finish_reason if output.outputs else None
-        if reason in self.success:
-            self.success[reason].inc()
+        for reason in m.finish_reasons:
+            if reason in self.success:
+                self.success[reason].inc()
         self.prompt_tokens.observe(len(output.prompt_token_ids))
         self.generation_tokens.observe(m.num_generation_tokens)
-        if reason != RequestStatus.FINISHED_ABORTED.value and m.finish_time is not None:
+        if RequestStatus.FINISHED_ABORTED.value not in m.finish_reasons and m.finish_time is not None:
             self.e2e.observe(m.finish_time - m.arrival_time)
             if m.first_token_time is not None:
                 self.decode_time.observe(m.finish_time - m.first_token_time)
