@@ -190,6 +190,8 @@ class Workload:
         return int(self.rng.integers(max(1, math.floor(mean * (1 - r))), math.ceil(mean * (1 + r)) + 1))
 
     def _fit(self, n_in: int, n_out: int) -> tuple[int, int]:
+        """A request's drawn lengths cut to fit `max_model_len`; called once per request (it counts
+        the requests cut)."""
         fit_out = max(1, min(n_out, self.max_len // 2))
         fit_in = max(1, min(n_in, self.max_len - fit_out))
         self.capped += (fit_in, fit_out) != (n_in, n_out)
@@ -198,14 +200,14 @@ class Workload:
     def _prompt(self, ids: list[int]) -> list[int] | str:
         return self.to_text(ids) if self.args.prompt_format == "text" else ids
 
-    def _lengths(self, n: int) -> list[tuple[int, int]]:
-        """(input, output) lengths of n requests."""
+    def _drawn_lengths(self, n: int) -> list[tuple[int, int]]:
+        """(input, output) lengths of n requests as drawn, before `_fit`."""
         if self.args.dataset == "sharegpt":
             inputs = lognormal_lengths(self.rng, n, SHAREGPT.mean_prompt, SHAREGPT.sigma_prompt,
                                        min(1024, self.max_len - 1))
             outputs = lognormal_lengths(self.rng, n, SHAREGPT.mean_output, SHAREGPT.sigma_output, self.max_len - inputs)
-            return [self._fit(int(i), int(o)) for i, o in zip(inputs, outputs)]
-        return [self._fit(self._uniform(self.args.random_input_len), self._uniform(self.args.random_output_len))
+            return [(int(i), int(o)) for i, o in zip(inputs, outputs)]
+        return [(self._uniform(self.args.random_input_len), self._uniform(self.args.random_output_len))
                 for _ in range(n)]
 
     def jobs(self) -> tuple[list[Job], int]:
@@ -215,7 +217,7 @@ class Workload:
             return [self._conversation() for _ in range(a.num_prompts)], a.num_prompts * a.turns
         prefixes = [self._ids(a.prefix_len) for _ in range(a.prefix_groups)]
         jobs = []
-        for i, (n_in, n_out) in enumerate(self._lengths(a.num_prompts)):
+        for i, (n_in, n_out) in enumerate(self._drawn_lengths(a.num_prompts)):
             head = prefixes[i % a.prefix_groups] if a.dataset == "prefix" else []
             n_in, n_out = self._fit(len(head) + n_in, n_out)
             ids = (head + self._ids(n_in))[:n_in]
@@ -232,7 +234,7 @@ class Workload:
         return job
 
     def _conversation(self) -> Job:
-        turns = self._lengths(self.args.turns)
+        turns = [self._fit(n_in, n_out) for n_in, n_out in self._drawn_lengths(self.args.turns)]
         users = [self.to_text(self._ids(n_in)) for n_in, _ in turns]
 
         async def job(send):

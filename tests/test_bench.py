@@ -292,6 +292,21 @@ def test_a_run_where_every_request_failed_exits_with_an_error(base_url, tmp_path
     assert json.loads(result.read_text())["failed"] == 3
 
 
+def test_each_request_cut_to_fit_counts_once():
+    """A prefix request whose drawn lengths and whole prompt (prefix + its own part) are both cut
+    counts once, as does each turn of a conversation; one that fits is not counted."""
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    cases = [(["--dataset", "prefix", "--prefix-groups", "1", "--prefix-len", "100", "--random-input-len", "100",
+               "--random-output-len", "200"], 4), (["--random-input-len", "8", "--random-output-len", "8"], 0),
+             (["--dataset", "multiturn", "--turns", "3", "--random-input-len", "300"], 4 * 3)]  # 300 > 256
+    for argv, capped in cases:
+        args = parser.parse_args(["--num-prompts", "4", "--model", "m", *argv])
+        workload = bench_module.Workload(args, 256, lambda ids: " ".join(map(str, ids)))
+        workload.jobs()
+        assert workload.capped == capped, argv
+
+
 def test_text_prompts_that_fill_the_context_fit_it(base_url, capsys):
     """Asked for more than the context holds, every request is cut to fit and said to be: output at
     most half the context, the prompt the rest, counted as the server counts the text (its BOS
