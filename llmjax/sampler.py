@@ -218,7 +218,9 @@ def _random_sample(logits: jax.Array, s: SamplingInput) -> jax.Array:
     and min-p keep (`keep_threshold`, skipped when no row filters), by `inverse_cdf` with one
     uniform number from the row's key; greedy rows: the argmax."""
     temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
-    probs = jax.nn.softmax(logits / temp, axis=-1)
+    # a tiny repetition penalty can scale logits to +inf, whose softmax is NaN: the largest finite
+    # value instead, so such a row draws among those tokens
+    probs = jax.nn.softmax(jnp.minimum(logits / temp, jnp.finfo(logits.dtype).max), axis=-1)
     filters = (s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0)
     probs = jax.lax.cond(jnp.any(filters),
                          lambda: jnp.where(probs >= keep_threshold(probs, s)[:, None], probs, 0.0),

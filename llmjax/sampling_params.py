@@ -20,6 +20,7 @@ MAX_N = 64  # parallel samples per request
 INT32_MAX = 2**31 - 1
 SEED_MIN, SEED_END = -(2**63), 2**64  # any signed or unsigned 64-bit integer
 MAX_PENALTY = 2.0  # presence / frequency in [-2, 2]; repetition in (0, 2]
+MIN_REPETITION_PENALTY = 1.1754944e-38  # float32's smallest normal number: a smaller one is 0 on the device
 MAX_LOGIT_BIAS = 100.0
 _TOKEN_ID_TEXT = re.compile(r"[0-9]{1,10}")  # a logit_bias key as OpenAI's JSON sends it; ASCII digits only
 GREEDY_BELOW = 1e-5  # a smaller temperature samples greedily (as vLLM does), never dividing by ~0
@@ -136,8 +137,9 @@ class SamplingParams:
             self._real(name, value)
             self._check(name, -MAX_PENALTY <= value <= MAX_PENALTY, f"{name} must be in [-2, 2], got {value}")
         self._real("repetition_penalty", self.repetition_penalty)
-        self._check("repetition_penalty", 0 < self.repetition_penalty <= MAX_PENALTY,
-                    f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        self._check("repetition_penalty", MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_PENALTY,
+                    f"repetition_penalty must be in (0, 2] and a float32 above 0 (at least "
+                    f"{MIN_REPETITION_PENALTY:.2g}), got {self.repetition_penalty}")
         object.__setattr__(self, "logit_bias", self._checked_logit_bias(self.logit_bias))
         self._check("output_kind", isinstance(self.output_kind, RequestOutputKind),
                     f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")

@@ -318,6 +318,21 @@ def test_logits_processing_matches_the_reference():
     np.testing.assert_allclose(np.asarray(logprobs), raw[np.arange(rows), got.argmax(-1)], rtol=1e-5, atol=1e-5)
 
 
+def test_a_repetition_penalty_that_overflows_the_logits_draws_among_the_boosted_tokens():
+    """The smallest valid repetition penalty scales the positive logits of seen tokens (2 and 3) past
+    float32's range; each draw is one of them, never a token of probability 0 (a NaN softmax drew
+    token 0)."""
+    logits = np.array([[0.5, -1.0, 8.0, 6.0, 0.3, -0.2, 0.1, 0.0]], np.float32)
+    state = replace(empty_state(2, 8), prompt_mask=np.isin(np.arange(8), [2, 3])[None].repeat(2, 0))
+    penalty = SamplingParams(repetition_penalty=1.2e-38).repetition_penalty
+    draws = set()
+    for seed in range(16):
+        s = sampling_input(1, processed=True, penalty_row=0, seed_lo=seed, repetition_penalty=penalty)
+        (tokens, _, _, _), _ = jax.jit(sample)(logits, s, state)
+        draws.add(int(np.asarray(tokens)[0]))
+    assert draws == {2, 3}
+
+
 def test_only_kept_tokens_of_processed_rows_are_counted():
     state = empty_state(4, 6)
     s = sampling_input(3, penalty_row=[0, 1, 3], processed=[True, True, False], keep=[True, False, True])
@@ -341,6 +356,7 @@ def test_only_kept_tokens_of_processed_rows_are_counted():
         (dict(skip_special_tokens=1), "skip_special_tokens"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
         (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-2.01), "frequency_penalty"),
         (dict(repetition_penalty=0), "repetition_penalty"), (dict(repetition_penalty=2.5), "repetition_penalty"),
+        (dict(repetition_penalty=1e-39), "repetition_penalty"),  # 0 as a float32
         (dict(logit_bias={1: 100.5}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
         (dict(logit_bias={"abc": 1.0}), "logit_bias"), (dict(logit_bias=[1, 2]), "logit_bias"),
     ],
