@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import codecs
 import datetime
 import functools
 import json
@@ -107,6 +108,7 @@ class Tokenizer:
         self.chat_template: str | None = hf_tokenizer.chat_template
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         self._byte_level = isinstance(getattr(backend, "decoder", None), tokenizers.decoders.ByteLevel)
+        self._byte_tables: dict[bool, list[bytes]] = {}  # see `byte_table`
         self._backend = backend
         self._longest_entry = max(map(len, vocab))
 
@@ -143,12 +145,31 @@ class Tokenizer:
         exactly its own bytes, which may be part of a multi-byte character whose text shows as
         U+FFFD (the bytes of consecutive tokens concatenate to the UTF-8 of their decoded text);
         an added token (`<|im_start|>`), or any other vocabulary, gives the UTF-8 of its text."""
-        if self._byte_level and token_id not in self.hf.added_tokens_decoder:
-            try:
-                return bytes(BYTE_OF_CHAR[c] for c in self.hf.convert_ids_to_tokens(token_id))
-            except KeyError:  # not written in the byte alphabet
-                pass
+        table = self.byte_table(skip_special_tokens=False)
+        if table is not None and 0 <= token_id < len(table):
+            return table[token_id]
         return self.token_to_text(token_id).encode()
+
+    def byte_table(self, skip_special_tokens: bool) -> list[bytes] | None:
+        """With a byte-level vocabulary (its decoder ByteLevel alone), the bytes of each token id's
+        decoded text, by id: a vocabulary entry's own bytes, an added token's text, a special token's
+        nothing when `skip_special_tokens`; None for any other vocabulary. Built on first use."""
+        if not self._byte_level:
+            return None
+        if skip_special_tokens not in self._byte_tables:
+            added = self.hf.added_tokens_decoder
+            table = []
+            for token_id, entry in enumerate(self.hf.convert_ids_to_tokens(list(range(len(self.hf))))):
+                if token_id in added:
+                    table.append(b"" if skip_special_tokens and added[token_id].special
+                                 else self.token_to_text(token_id).encode())
+                    continue
+                try:
+                    table.append(bytes(BYTE_OF_CHAR[c] for c in entry))
+                except (KeyError, TypeError):  # not written in the byte alphabet
+                    table.append(self.token_to_text(token_id).encode())
+            self._byte_tables[skip_special_tokens] = table
+        return self._byte_tables[skip_special_tokens]
 
     def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
@@ -238,9 +259,14 @@ class IncrementalDetokenizer:
     (possibly empty); the deltas concatenate to the decoded output, never ending in half of a
     multi-byte character split across tokens.
 
-    One strategy per tokenizer, all giving the same deltas:
-    - a HF tokenizer backed by `tokenizers` (every fast tokenizer): its `DecodeStream` (Rust, about
-      a microsecond a token), primed with the prompt's last ids so leading spaces and byte
+    One strategy per tokenizer, all giving the same text:
+    - a byte-level vocabulary (GPT-2's alphabet: SmolLM2, Llama 3, Qwen): each id's bytes
+      (`Tokenizer.byte_table`) through an incremental UTF-8 decoder: a list lookup and one call into
+      Python's C codec per token, no tokenizer call. It holds back only the bytes of an incomplete
+      character, where the others hold back a token's whole text, and it shows an invalid byte
+      (U+FFFD, as `decode` does) when it comes, where they wait for the next token;
+    - another HF tokenizer backed by `tokenizers` (every fast tokenizer): its `DecodeStream` (Rust,
+      about a microsecond a token), primed with the prompt's last ids so leading spaces and byte
       fallback see their context; should it refuse a sequence, the request goes on windowed;
     - windowed (any other HF tokenizer): decode a short window of recent ids twice (without and with
       the new id) and emit the difference, holding back a delta that ends in U+FFFD (an incomplete
@@ -258,8 +284,13 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)  # ids before it are returned as text
         backend = getattr(getattr(tokenizer, "hf", None), "_tokenizer", None)
+        table = tokenizer.byte_table(skip_special_tokens) if isinstance(tokenizer, Tokenizer) else None
         if isinstance(tokenizer, CharTokenizer):
             self.add = tokenizer.token_to_text
+        elif table is not None:
+            self._table, self._utf8 = table, codecs.getincrementaldecoder("utf-8")("replace").decode
+            self._utf8(b"".join(table[i] for i in self.ids if 0 <= i < len(table)))  # a split character waits
+            self.add = self._add_bytes
         elif isinstance(backend, tokenizers.Tokenizer) and DecodeStream is not None:
             self._backend = backend
             self._step = DecodeStream(skip_special_tokens=skip_special_tokens).step
@@ -271,6 +302,12 @@ class IncrementalDetokenizer:
                 self.add = self._add_windowed
         else:
             self.add = self._add_windowed
+
+    def _add_bytes(self, token_id: int) -> str:
+        try:
+            return self._utf8(self._table[token_id])
+        except IndexError:  # an id past the vocabulary (a model's padded rows) has no text
+            return ""
 
     def _add_streamed(self, token_id: int) -> str:
         self.ids.append(token_id)

@@ -192,10 +192,17 @@ def test_incremental_detokenizer_handles_split_multibyte_characters(ours):
     )
 
 
-def test_streamed_detokenizer_matches_the_windowed_one_and_falls_back(ours, monkeypatch):
+def _without_byte_table(tokenizer, monkeypatch, *args) -> IncrementalDetokenizer:
+    """A detokenizer that takes the DecodeStream strategy (the vocabulary's byte table hidden)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(tokenizer, "byte_table", lambda skip_special_tokens: None)
+        return IncrementalDetokenizer(tokenizer, *args)
+
+
+def test_detokenizer_strategies_give_the_same_text_and_the_stream_falls_back(ours, monkeypatch):
     """The DecodeStream strategy gives the same deltas as the windowed one (decoding the tokenizer's
-    own way), with and without special tokens; when the stream refuses a token the request goes on
-    windowed and loses no text."""
+    own way), and the byte-table strategy the same text, with and without special tokens; when the
+    stream refuses a token the request goes on windowed and loses no text."""
     _, tokenizer = ours
     cases = [("The capital of France is", " Paris. It is 🌍 big"),
              ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "Hello! Grüße<|im_end|> again"),
@@ -204,13 +211,16 @@ def test_streamed_detokenizer_matches_the_windowed_one_and_falls_back(ours, monk
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
         ids = tokenizer.encode(continuation, add_special_tokens=False)
         for skip in (True, False):
-            streamed = IncrementalDetokenizer(tokenizer, prompt_ids, skip)
+            by_bytes = IncrementalDetokenizer(tokenizer, prompt_ids, skip)
+            streamed = _without_byte_table(tokenizer, monkeypatch, prompt_ids, skip)
             windowed = IncrementalDetokenizer(tokenizer, prompt_ids, skip)
-            assert streamed.add == streamed._add_streamed
+            assert by_bytes.add == by_bytes._add_bytes and streamed.add == streamed._add_streamed
             windowed.add = windowed._add_windowed
-            assert [streamed.add(t) for t in ids] == [windowed.add(t) for t in ids]
+            deltas = [windowed.add(t) for t in ids]
+            assert [streamed.add(t) for t in ids] == deltas
             expected = tokenizer.decode(prompt_ids + ids, skip)[len(tokenizer.decode(prompt_ids, skip)):]
-            failing = IncrementalDetokenizer(tokenizer, prompt_ids, skip)
+            assert "".join(by_bytes.add(t) for t in ids) == "".join(deltas) == expected
+            failing = _without_byte_table(tokenizer, monkeypatch, prompt_ids, skip)
             calls = {"n": 0}
             real_step = failing._step
 
@@ -223,6 +233,25 @@ def test_streamed_detokenizer_matches_the_windowed_one_and_falls_back(ours, monk
             failing._step = step
             assert "".join(failing.add(t) for t in ids) == expected
             assert failing.add == failing._add_windowed
+
+
+def test_byte_table_text_is_the_tokenizers_decode_on_random_ids(ours):
+    """Random ids after a prompt (special tokens, characters split across tokens, invalid UTF-8) give
+    the byte-table strategy the text the tokenizer decodes, less the U+FFFD of an incomplete
+    character at the end, which it holds back."""
+    _, tokenizer = ours
+    rng = np.random.default_rng(0)
+    prompt_ids = tokenizer.encode("Tell me: 東京", add_special_tokens=False)
+    for case in range(60):
+        ids = rng.integers(0, len(tokenizer.hf), 16).tolist()
+        if case % 4 == 0:  # some special tokens among them
+            ids[3] = ids[11] = int(rng.integers(0, 17))
+        for skip in (True, False):
+            detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip)
+            deltas = [detokenizer.add(t) for t in ids]
+            expected = tokenizer.decode(prompt_ids + ids, skip)[len(tokenizer.decode(prompt_ids, skip)):]
+            text = "".join(deltas)
+            assert text == expected or (text + "\ufffd" == expected), (ids, skip)
 
 
 def test_engine_greedy_equals_hf_generate(hf, ours):
