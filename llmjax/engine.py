@@ -28,7 +28,7 @@ import math
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -230,7 +230,7 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        namespace: Hashable | None = None,
+        namespace: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
         """Validate and queue a request (text or token ids) with its `params.n` samples.
@@ -247,10 +247,9 @@ class LLMEngine:
             raise RequestError(f"a request id is a non-empty string, got {request_id!r}", "request_id")
         if request_id in self._parents:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
-        try:
-            hash(namespace)
-        except TypeError:
-            raise RequestError(f"the namespace must be hashable, got {type(namespace).__name__}", "namespace") from None
+        if namespace is not None and not isinstance(namespace, str):  # as vLLM's cache_salt; 1, 1.0 and True
+            # would be one tenant as dict keys
+            raise RequestError(f"the namespace is a string or None, got {type(namespace).__name__}", "namespace")
         if arrival_time is not None and not (isinstance(arrival_time, (int, float)) and math.isfinite(arrival_time)):
             raise RequestError(f"arrival_time must be a finite number of seconds, got {arrival_time!r}", "arrival_time")
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]

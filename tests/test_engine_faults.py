@@ -174,7 +174,9 @@ def test_a_failed_step_fails_its_own_requests_not_a_later_one_with_the_same_id(e
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(namespace=["a", "list"]), "namespace"), (dict(arrival_time="soon"), "arrival_time"),
+    (dict(namespace=["a", "list"]), "namespace"),
+    (dict(namespace=1), "namespace"),  # 1, 1.0 and True would share one tenant's cache
+    (dict(arrival_time="soon"), "arrival_time"),
     (dict(arrival_time=float("nan")), "arrival_time"), (dict(request_id=""), "request_id"),
     (dict(request_id=7), "request_id"),
 ])

@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from llmjax.config import ConfigError
 from llmjax.engine import LLMEngine, RequestError, RequestOutput
@@ -130,7 +130,7 @@ class AsyncEngine:
         return await future
 
     async def add(self, prompts: Mapping[str, str | Sequence[int]], params: SamplingParams,
-                  namespace: Hashable | None, arrival_time: float, stream: OutputStream) -> None:
+                  namespace: str | None, arrival_time: float, stream: OutputStream) -> None:
         """Queue requests (request id -> prompt) whose outputs go to `stream`, all in one command (one
         wait for the loop thread, however many prompts). Raises `RequestError` when the engine
         refuses one; then none of them stays queued."""
@@ -322,7 +322,7 @@ class OutputStream:
         self._ready.set()
 
     async def add(self, prompts: Mapping[str, str | Sequence[int]], params: SamplingParams,
-                  namespace: Hashable | None = None, arrival_time: float | None = None) -> None:
+                  namespace: str | None = None, arrival_time: float | None = None) -> None:
         """Queue requests (request id -> prompt); raises `RequestError` (none queued) when the engine
         refuses one."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
