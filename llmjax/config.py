@@ -39,6 +39,19 @@ class ConfigError(ValueError):
     """A model or engine configuration that llmjax cannot serve; the message names the problem."""
 
 
+class Default(int):
+    """An int setting's default value, marked so that it can be told from the same value set by
+    hand (as vLLM's None defaults, resolved later): `EngineConfig.max_model_len` is then capped at
+    the model's context, and `max_num_batched_tokens` follows chunked prefill and `max_model_len`.
+    It is an int everywhere else; `dataclasses.replace` carries the mark."""
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # with chunked prefill; without it, at least max_model_len (as vLLM)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer. `attention` selects the GQA family or MLA.
@@ -354,18 +367,21 @@ class EngineConfig:
     here the combination is refused). `dtype` is one of `DTYPES` (None: `loader.default_dtype()`).
     `max_num_batched_tokens` is at least `max_num_seqs`, as vLLM requires (every running sequence
     gets its next token each step), and without chunked prefill at least `max_model_len` (a whole
-    prompt runs in one step). Static and dynamic batches run all their members at once:
-    `batch_size` is at most `max_num_seqs` (default `DEFAULT_BATCH_SIZE`, or `max_num_seqs` when
-    smaller); `max_delay` (dynamic only) defaults to `DEFAULT_MAX_DELAY`. Each is None under a
-    policy that does not read it, and giving it one is refused (it would have no effect).
+    prompt runs in one step); its default is `DEFAULT_MAX_NUM_BATCHED_TOKENS`, without chunked
+    prefill raised to `max_model_len`. `max_model_len`'s default (2048) is capped at the model's
+    context by the engine; a larger value set by hand is refused there (see `Default`). Static and
+    dynamic batches run all their members at once: `batch_size` is at most `max_num_seqs` (default
+    `DEFAULT_BATCH_SIZE`, or `max_num_seqs` when smaller); `max_delay` (dynamic only) defaults to
+    `DEFAULT_MAX_DELAY`. Each is None under a policy that does not read it, and giving it one is
+    refused (it would have no effect).
     `attention_backend`, `compilation_cache_dir` and `coordinator_address` are None for their
     default, never empty.
     """
 
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = Default(DEFAULT_MAX_NUM_BATCHED_TOKENS)
     max_num_seqs: int = 64
     block_size: int = 16
-    max_model_len: int = 2048
+    max_model_len: int = Default(2048)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     kv_cache_memory_bytes: int | None = None
@@ -407,6 +423,10 @@ class EngineConfig:
             raise ConfigError(f"unknown scheduling_policy {self.scheduling_policy!r}")
         if self.queue_order not in ("fcfs", "lpm"):
             raise ConfigError(f"unknown queue_order {self.queue_order!r}")
+        if isinstance(self.max_num_batched_tokens, Default):
+            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill else \
+                max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
+            object.__setattr__(self, "max_num_batched_tokens", Default(budget))
         self._resolve_batching()
         if self.queue_order == "lpm" and not self.enable_prefix_caching:
             raise ConfigError("queue_order 'lpm' orders the waiting requests by their cached prefix: "

@@ -37,7 +37,7 @@ import numpy as np
 from llmjax import parallel
 from llmjax.cpu_flags import apply_cpu_flags
 from llmjax.attention.cache_dtype import value_dtype
-from llmjax.config import DEFAULT_GPU_MEMORY_UTILIZATION, ConfigError, EngineConfig
+from llmjax.config import DEFAULT_GPU_MEMORY_UTILIZATION, ConfigError, Default, EngineConfig
 from llmjax.kv.manager import KVCacheManager
 from llmjax.kv.sizing import device_memory_stats, kv_budget_bytes, num_blocks_from_budget
 from llmjax.models.loader import LoadedModel, default_dtype, load_model
@@ -73,11 +73,11 @@ def _fit_max_model_len(config: EngineConfig, context: int) -> EngineConfig:
     the model's context would run on untrained RoPE angles."""
     if config.max_model_len <= context:
         return config
-    if config.max_model_len != EngineConfig.max_model_len:
+    if not isinstance(config.max_model_len, Default):
         raise ConfigError(f"max_model_len ({config.max_model_len}) is larger than the model's context length "
                           f"({context} tokens): set it to at most {context}")
     log.info("max_model_len capped at the model's context length, %d tokens", context)
-    return config.replace(max_model_len=context)
+    return config.replace(max_model_len=Default(context))
 
 
 class RequestError(ValueError):

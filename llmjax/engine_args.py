@@ -19,7 +19,7 @@ from typing import Iterator
 from llmjax.attention.backend import BACKENDS
 from llmjax.cli_types import non_empty
 from llmjax.config import (BATCHING_FIELDS, DEFAULT_BATCH_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_DELAY,
-                           DTYPES, KV_CACHE_DTYPES, ConfigError, EngineConfig)
+                           DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, KV_CACHE_DTYPES, ConfigError, EngineConfig)
 
 # The flags of the fields only some batching policies read (`BATCHING_FIELDS`); default None, so that
 # giving one to another policy, where it would have no effect, is an error naming the flag.
@@ -32,7 +32,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="'smollm2' (default, the embedded model), a preset (tiny-gqa, ...), a .gguf file "
                              "or a HF folder")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help=f"tokens per step (default: {d.max_num_batched_tokens}; without chunked prefill "
+                        help=f"tokens per step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS}; without chunked prefill "
                              "max_model_len when that is larger, so a whole prompt fits a step, as in vLLM)")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--block-size", type=int, default=d.block_size)
@@ -81,13 +81,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """`EngineConfig` from the parsed flags: one per dataclass field (AttributeError if one is missing).
     `ConfigError` for an invalid config, and for a `POLICY_FLAGS` flag given to a policy that does not
-    read it. Without chunked prefill the default token budget covers `max_model_len`."""
-    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
-    values = {name: getattr(args, name) for name in fields}
+    read it. A flag not given keeps the field's default (`--max-num-batched-tokens`: None here)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
     if values["max_num_batched_tokens"] is None:
-        budget = fields["max_num_batched_tokens"].default
-        values["max_num_batched_tokens"] = budget if values["enable_chunked_prefill"] else \
-            max(budget, values["max_model_len"])
+        del values["max_num_batched_tokens"]
     for name, flag in POLICY_FLAGS.items():
         policies = BATCHING_FIELDS[name]
         if values[name] is not None and values["scheduling_policy"] not in policies:

@@ -308,7 +308,8 @@ def test_config_dtype_must_match_the_loaded_model():
 
 
 def test_max_model_len_beyond_the_models_context():
-    """A `max_model_len` set above the model's context is refused; the default is capped at it."""
+    """A `max_model_len` set above the model's context is refused; the default is capped at it, and
+    so is the default token budget without chunked prefill, which follows it."""
     from llmjax.config import ConfigError, EngineConfig
     from llmjax.engine import LLMEngine
     from llmjax.models.loader import load_model
@@ -318,12 +319,16 @@ def test_max_model_len_beyond_the_models_context():
     loaded = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, max_position_embeddings=96))
     tokenizer = load_tokenizer(loaded.source, loaded.config.eos_token_ids)
     small = dict(max_num_batched_tokens=64, max_num_seqs=8, block_size=8, kv_cache_memory_bytes=2 << 20)
-    with pytest.raises(ConfigError, match="96 tokens"):
-        LLMEngine(loaded, tokenizer, EngineConfig(max_model_len=128, **small))
+    for hand_set in (128, 2048):  # 2048 equals the default, set by hand all the same
+        with pytest.raises(ConfigError, match="96 tokens"):
+            LLMEngine(loaded, tokenizer, EngineConfig(max_model_len=hand_set, **small))
     assert LLMEngine(loaded, tokenizer, EngineConfig(max_model_len=96, **small)).config.max_model_len == 96
     engine = LLMEngine(loaded, tokenizer, EngineConfig(**small))
     assert EngineConfig().max_model_len > 96 and engine.config.max_model_len == 96
     assert engine.scheduler.config.max_model_len == 96
+    unchunked = LLMEngine(loaded, tokenizer, EngineConfig(enable_chunked_prefill=False, max_num_seqs=8, block_size=8,
+                                                          kv_cache_memory_bytes=2 << 20))
+    assert unchunked.config.max_num_batched_tokens == 512 and unchunked.config.max_model_len == 96
     with pytest.raises(RequestError, match="maximum context length is 96"):
         engine.add_request([5] * 90, SamplingParams(max_tokens=10))
 
