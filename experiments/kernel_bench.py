@@ -167,26 +167,30 @@ def decode_inputs(cfg, seqs, ctx, heads, kv_heads, dim):
 
 # --- benchmarks: each returns table rows ---
 
-def bench_flash(cfg, peak_flops, shapes=None, **knobs):
+def bench_flash(cfg, peak_flops, shapes=None, alternatives=True, **knobs):
+    """`alternatives`: time cuDNN too (a knob sweep leaves it out: its time does not change)."""
     rows = []
     for batch, q_len, kv_len, heads, kv_heads, dim in shapes or cfg.prefill:
         shape = f"flash b{batch} q{q_len} k{kv_len} h{heads}/{kv_heads} d{dim}"
         rows += guarded(shape, _bench_flash_one, cfg, peak_flops, shape, batch, q_len, kv_len,
-                        heads, kv_heads, dim, knobs)
+                        heads, kv_heads, dim, knobs, alternatives)
     return rows
 
 
-def _bench_flash_one(cfg, peak_flops, shape, batch, q_len, kv_len, heads, kv_heads, dim, knobs):
+def _bench_flash_one(cfg, peak_flops, shape, batch, q_len, kv_len, heads, kv_heads, dim, knobs,
+                     alternatives):
     log(f"{shape}: inputs")
     sets = flash_inputs(cfg, batch, q_len, kv_len, heads, kv_heads, dim)
     ours = functools.partial(flash_attention, interpret=cfg.interpret, **knobs)
-    ref = _dense_reference(*sets[0], q_offset=kv_len - q_len)
+    if shape not in cfg.references:  # inputs are seeded: one dense reference per shape
+        cfg.references[shape] = _dense_reference(*sets[0], q_offset=kv_len - q_len)
+    ref = cfg.references[shape]
     err = check(shape, ours(*sets[0]), ref)
     t = time_call(ours, sets, repeats=cfg.repeats, inner=cfg.inner)
     off = kv_len - q_len
     flops = 4 * batch * heads * dim * (q_len * off + q_len * (q_len + 1) / 2)
     alt_name, alt_t = "-", None
-    if cfg.on_gpu and q_len == kv_len:
+    if cfg.on_gpu and q_len == kv_len and alternatives:
         alt_name = "cudnn"
         alt = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True,
                                         implementation="cudnn"))
@@ -215,16 +219,17 @@ def _time_alt(fn, sets, cfg, ref):
         return None
 
 
-def bench_decode(cfg, peak_bw, shapes=None, **knobs):
+def bench_decode(cfg, peak_bw, shapes=None, alternatives=True, **knobs):
+    """`alternatives`: time JAX's bundled kernel too (a knob sweep leaves it out)."""
     rows = []
     for seqs, ctx, heads, kv_heads, dim in shapes or cfg.decode:
         shape = f"paged decode s{seqs} ctx{ctx} h{heads}/{kv_heads} d{dim}"
         rows += guarded(shape, _bench_decode_one, cfg, peak_bw, shape, seqs, ctx, heads,
-                        kv_heads, dim, knobs)
+                        kv_heads, dim, knobs, alternatives)
     return rows
 
 
-def _bench_decode_one(cfg, peak_bw, shape, seqs, ctx, heads, kv_heads, dim, knobs):
+def _bench_decode_one(cfg, peak_bw, shape, seqs, ctx, heads, kv_heads, dim, knobs, alternatives):
     log(f"{shape}: inputs")
     sets, ref, layer_bytes = decode_inputs(cfg, seqs, ctx, heads, kv_heads, dim)
     ours = functools.partial(paged_attention, sm_scale=dim ** -0.5, interpret=cfg.interpret,
@@ -232,7 +237,7 @@ def _bench_decode_one(cfg, peak_bw, shape, seqs, ctx, heads, kv_heads, dim, knob
     err = check(shape, ours(*sets[0]), ref)
     t = time_call(ours, sets, repeats=cfg.repeats, inner=cfg.inner)
     alt_name, alt_t = "-", None
-    if cfg.on_gpu:
+    if cfg.on_gpu and alternatives:
         alt_name, alt_t = "jax pallas paged", _bundled_paged(sets, cfg, ref, dim ** -0.5)
     return [_row(shape, t, layer_bytes / t / 1e9, "GB/s", layer_bytes / peak_bw / t,
                  alt_name, alt_t, err=err, knobs=knobs)]
@@ -348,16 +353,18 @@ def _bench_fresh_prefill_one(cfg, peak_flops, shape, lens, heads, kv_heads, dim)
     return [_row(shape, t, flops / t / 1e12, "TFLOP/s", flops / peak_flops / t, "ragged (paged)", alt_t, err=err)]
 
 
-def bench_sweep(cfg, peak_flops, peak_bw):
-    """Each kernel's tuning knobs (static arguments) on one shape: a row per setting."""
+def bench_sweep(cfg, peak_flops, peak_bw, on_rows=None):
+    """Each kernel's tuning knobs (static arguments) on one shape: a row per setting (the
+    alternatives of flash and decode are in their own rows); `on_rows(rows so far)` after each."""
     rows = []
     flash_shape, decode_shape, mixed = cfg.sweep_shapes
-    for knobs in cfg.flash_knobs:
-        rows += bench_flash(cfg, peak_flops, [flash_shape], **knobs)
-    for knobs in cfg.decode_knobs:
-        rows += bench_decode(cfg, peak_bw, [decode_shape], **knobs)
-    for knobs in cfg.ragged_knobs:
-        rows += bench_ragged_mixed(cfg, mixed, **knobs)
+    runs = [functools.partial(bench_flash, cfg, peak_flops, [flash_shape], False, **k) for k in cfg.flash_knobs]
+    runs += [functools.partial(bench_decode, cfg, peak_bw, [decode_shape], False, **k) for k in cfg.decode_knobs]
+    runs += [functools.partial(bench_ragged_mixed, cfg, mixed, **k) for k in cfg.ragged_knobs]
+    for run in runs:
+        rows += run()
+        if on_rows:
+            on_rows(rows)
     return rows
 
 
@@ -390,6 +397,7 @@ class Config:
     def __init__(self, smoke):
         self.on_gpu = on_gpu()
         self.interpret = not self.on_gpu
+        self.references = {}  # shape -> its dense reference output (flash)
         if smoke:
             self.repeats, self.inner, self.matmul_n, self.copy_elems = 2, 1, 256, 1 << 20
             self.max_copies = 2
@@ -433,8 +441,11 @@ def run_all(cfg, on_rows=None):
     peak_flops, peak_bw = measure_peaks(cfg)
     log(f"bf16 matmul {peak_flops / 1e12:.1f} TFLOP/s, copy {peak_bw / 1e9:.0f} GB/s")
     rows = []
+    def sweep():  # its rows are reported as they come: a cap that stops it keeps them
+        return bench_sweep(cfg, peak_flops, peak_bw, on_rows and (lambda part: on_rows(rows + part)))
+
     benches = [lambda: bench_flash(cfg, peak_flops), lambda: bench_decode(cfg, peak_bw),
-               lambda: bench_mla(cfg, peak_bw), lambda: bench_sweep(cfg, peak_flops, peak_bw)]
+               lambda: bench_mla(cfg, peak_bw), sweep]
     if cfg.mixed:
         benches.insert(3, lambda: bench_ragged_mixed(cfg))
     if cfg.fresh:

@@ -45,3 +45,29 @@ def test_carried_wheels_are_joined_and_checked(tmp_path, monkeypatch):
     (tmp_path / "b" / f"{name}.part1").write_bytes(data[5000:])
     [joined] = gpu_check.join_split_wheels(tmp_path / "out")
     assert joined.name == name and joined.read_bytes() == data
+    (tmp_path / "b" / f"{name}.part0").write_bytes(data[:5000])  # a part in two folders (kept from a call)
+    [joined] = gpu_check.join_split_wheels(tmp_path / "out")
+    assert joined.read_bytes() == data
+
+
+def test_a_stage_over_its_cap_stops_though_it_catches_exceptions(tmp_path):
+    """A stage whose parts catch `Exception` (one failing kernel must not stop the others) still
+    stops at its cap, with the status saying so."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import time
+
+    import gpu_check
+
+    def stubborn(report, args):
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                time.sleep(0.05)
+            except Exception:  # noqa: BLE001  as the stages' per-case handlers
+                pass
+
+    report = gpu_check.Report([tmp_path])
+    start = time.monotonic()
+    gpu_check.run_stage(report, "stubborn", 1, stubborn, None)
+    assert time.monotonic() - start < 5
+    assert report.data["stages"]["stubborn"]["status"].startswith("StageTimeout")
