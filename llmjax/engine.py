@@ -347,7 +347,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.time_schedule += time.perf_counter() - t0
         outputs: list[RequestOutput] = []
-        dispatched = None
+        dispatched = failed = None
         if not out.empty:
             self.num_steps += 1
             previous = self._inflight[1] if self._inflight else None
@@ -355,13 +355,16 @@ class LLMEngine:
                 dispatched = (out, self.runner.dispatch(out, previous))
             except Exception as exc:
                 log.exception("engine step failed; failing its %d requests", len(out.requests))
-                outputs += self._fail_step(out, exc)
+                self._forget_unwritten_kv(out)  # before the step in flight frees and caches any of them
+                failed = (out, exc)
         if self.config.async_scheduling:
             completing, self._inflight = self._inflight, dispatched
         else:
             completing = dispatched
         if completing is not None:
             outputs += self._complete(*completing)
+        if failed is not None:  # after the step before it, whose tokens (and stops) stand
+            outputs += self._fail_step(*failed)
         return outputs
 
     def wait_in_flight(self) -> None:
@@ -539,8 +542,7 @@ class LLMEngine:
         the others (their KV is gone; a step still in flight computed on it and is dropped) and drop
         the prefix cache."""
         message = f"the engine step failed: {type(exc).__name__}: {exc}"
-        for request, start in zip(out.requests, out.num_computed.tolist()):  # its KV from this step is not
-            request.num_computed_tokens = min(request.num_computed_tokens, start)  # written: never cache it
+        self._forget_unwritten_kv(out)
         # by the record, not the id: a request of this step that finished meanwhile may have left its
         # id to a new request, which was never in this step
         parents = dict.fromkeys(r.owner for r in out.requests if not r.owner.finished)
@@ -554,6 +556,13 @@ class LLMEngine:
             self.scheduler.preempt_all()
             self.kv.reset_prefix_cache()
         return outputs
+
+    @staticmethod
+    def _forget_unwritten_kv(out: SchedulerOutput) -> None:
+        """A failed step wrote no KV: its requests' computed tokens go back to where it started, so
+        none of that KV is ever cached."""
+        for request, start in zip(out.requests, out.num_computed.tolist()):
+            request.num_computed_tokens = min(request.num_computed_tokens, start)
 
     def _end(self, parent: _Parent, status: RequestStatus, error: str | None = None,
              changed: Sequence[Request] = ()) -> RequestOutput:

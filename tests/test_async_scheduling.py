@@ -103,6 +103,33 @@ def test_a_step_that_fails_while_another_is_in_flight_fails_only_its_requests(wh
     assert [o.outputs[0].token_ids for o in run_to_completion(engine, PROMPTS)] == expected
 
 
+def test_a_dispatch_failure_after_a_stop_keeps_the_stop(monkeypatch):
+    """Step N samples a request's stop id; step N+1, dispatched with it before N's tokens are known,
+    fails: the request ends with its stop (as synchronously), not with N+1's error."""
+    import dataclasses
+
+    engine = tiny_engine(async_scheduling=True)
+    prompt = PROMPTS[0]
+    tokens = dense_greedy(engine, prompt, GREEDY.max_tokens)[0]
+    stop = next(t for i, t in enumerate(tokens) if i >= 2 and t not in tokens[:i])
+    n = tokens.index(stop) + 1
+    engine.add_request(prompt, dataclasses.replace(GREEDY, stop_token_ids=(stop,)), "x")
+    real, calls = engine.runner.dispatch, []
+
+    def dispatch(out, previous):  # step n + 1, the one after the stop's, fails
+        calls.append(1)
+        if len(calls) == n + 1:
+            raise RuntimeError("injected failure")
+        return real(out, previous)
+
+    monkeypatch.setattr(engine.runner, "dispatch", dispatch)
+    [output] = drain(engine, ["x"])
+    assert (output.error, output.outputs[0].finish_reason) == (None, "stop")
+    assert output.outputs[0].token_ids == tokens[:n]
+    engine.check_kv_invariants()
+    assert engine.kv.usage().used == 0
+
+
 class CountedReads:
     """A step's device output whose reads to the host are counted (`reads`: the shape of each)."""
 
