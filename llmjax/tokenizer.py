@@ -111,6 +111,8 @@ class Tokenizer:
         self._byte_tables: dict[bool, list[bytes]] = {}  # see `byte_table`
         self._backend = backend
         self._longest_entry = max(map(len, vocab))
+        for skip_special_tokens in (True, False):  # built now, not in a serving step (tens of ms each)
+            self.byte_table(skip_special_tokens)
 
     @property
     def vocab_size(self) -> int:
@@ -153,7 +155,7 @@ class Tokenizer:
     def byte_table(self, skip_special_tokens: bool) -> list[bytes] | None:
         """With a byte-level vocabulary (its decoder ByteLevel alone), the bytes of each token id's
         decoded text, by id: a vocabulary entry's own bytes, an added token's text, a special token's
-        nothing when `skip_special_tokens`; None for any other vocabulary. Built on first use."""
+        nothing when `skip_special_tokens`; None for any other vocabulary. Built once, by `__init__`."""
         if not self._byte_level:
             return None
         if skip_special_tokens not in self._byte_tables:
@@ -264,7 +266,9 @@ class IncrementalDetokenizer:
       (`Tokenizer.byte_table`) through an incremental UTF-8 decoder: a list lookup and one call into
       Python's C codec per token, no tokenizer call. It holds back only the bytes of an incomplete
       character, where the others hold back a token's whole text, and it shows an invalid byte
-      (U+FFFD, as `decode` does) when it comes, where they wait for the next token;
+      (U+FFFD, as `decode` does) when it comes, where they wait for the next token. A prompt that
+      ends inside a character gives that character (or U+FFFD, if the output does not complete it)
+      with the first new text, as `DecodeStream` does;
     - another HF tokenizer backed by `tokenizers` (every fast tokenizer): its `DecodeStream` (Rust,
       about a microsecond a token), primed with the prompt's last ids so leading spaces and byte
       fallback see their context; should it refuse a sequence, the request goes on windowed;

@@ -181,16 +181,16 @@ def test_a_llama3_gguf_with_rope_frequency_factors_matches_transformers(tmp_path
     _assert_logits_match(ours, hf_model, kwargs["vocab_size"])
 
 
-def test_a_gguf_with_attention_biases_matches_transformers_under_any_file_name(tmp_path):
-    """HF Llama's `attention_bias` as llama.cpp writes it (q/k/v/output biases, q/k in its RoPE order)
-    gives the HF model's logits; a GGUF file is known by its magic bytes whatever its name (as Ollama
-    stores them), and another file is refused."""
-    kwargs = dict(LLAMA, num_hidden_layers=2, num_key_value_heads=2, attention_bias=True)
+def test_a_gguf_with_biases_matches_transformers_under_any_file_name(tmp_path):
+    """HF Llama's `attention_bias` and `mlp_bias` as llama.cpp writes them (q/k/v/output and
+    gate/up/down biases, q/k in its RoPE order) give the HF model's logits; a GGUF file is known by
+    its magic bytes whatever its name (as Ollama stores them), and another file is refused."""
+    kwargs = dict(LLAMA, num_hidden_layers=2, num_key_value_heads=2, attention_bias=True, mlp_bias=True)
     hf_model = _save_hf(tmp_path / "hf", "LlamaConfig", kwargs)
     blob = tmp_path / "sha256-0123abcd"
     _write_llama_gguf(blob, hf_model, kwargs)
     ours = load_model(str(blob))
-    assert ours.config.attention_bias and ours.config.attention_out_bias
+    assert ours.config.attention_bias and ours.config.attention_out_bias and ours.config.mlp_bias
     _assert_logits_match(ours, hf_model, kwargs["vocab_size"])
     (tmp_path / "notes.txt").write_text("not a model")
     with pytest.raises(WeightLoadError, match="notes.txt is no GGUF file"):

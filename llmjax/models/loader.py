@@ -221,6 +221,9 @@ GGUF_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate_proj.bias": "ffn_gate.bias",
+    "mlp.up_proj.bias": "ffn_up.bias",
+    "mlp.down_proj.bias": "ffn_down.bias",
 }
 
 
@@ -306,8 +309,8 @@ def _gguf_getter(reader, cfg: ModelConfig, used: set[str]) -> Callable[[str], np
 
 def _gguf_config(reader, path: Path) -> ModelConfig:
     """The model config of a llama GGUF file: its metadata, the RoPE factors and which of the
-    optional tensors it has (`output.weight` unties the embeddings; attention biases, as llama.cpp's
-    converter writes HF Llama's `attention_bias`)."""
+    optional tensors it has (`output.weight` unties the embeddings; attention and MLP biases, as
+    llama.cpp's converter writes HF Llama's `attention_bias` and `mlp_bias`)."""
     cfg = _with_rope_freqs(reader, model_config_from_gguf_metadata(gguf_metadata(reader)), path)
     names = {t.name for t in reader.tensors}
     if "output.weight" in names:
@@ -315,6 +318,8 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     q_bias, out_bias = "blk.0.attn_q.bias" in names, "blk.0.attn_output.bias" in names
     if q_bias or out_bias:
         cfg = cfg.replace(attention_bias=q_bias, attention_out_bias=out_bias)
+    if "blk.0.ffn_up.bias" in names:
+        cfg = cfg.replace(mlp_bias=True)
     return cfg
 
 
