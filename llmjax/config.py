@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -403,6 +404,7 @@ class EngineConfig:
     process_id: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         positive = ("max_num_batched_tokens", "max_num_seqs", "block_size", "max_model_len", "stream_interval")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -458,6 +460,19 @@ class EngineConfig:
             raise ConfigError("num_processes and process_id need a coordinator_address")
         if self.num_processes is not None and not 0 <= (self.process_id or 0) < self.num_processes:
             raise ConfigError(f"process_id must be in [0, num_processes={self.num_processes}), got {self.process_id}")
+
+    def _check_types(self) -> None:
+        """Each field's value is of its annotated kind (an int is no bool, a float any real number
+        but a bool; None only where the annotation allows it), else a ConfigError naming it."""
+        kinds = {"int": (numbers.Integral, "an integer"), "float": (numbers.Real, "a number"),
+                 "bool": (bool, "True or False"), "str": (str, "a string"), "Literal": (str, "a string")}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None and "None" in f.type:
+                continue
+            kind, what = kinds[f.type.split(" |")[0].split("[")[0]]
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                raise ConfigError(f"{f.name} must be {what}, got {value!r}")
 
     def _resolve_batching(self) -> None:
         """Refuse `batch_size` / `max_delay` under a policy that does not read them; fill in their
