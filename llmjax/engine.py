@@ -298,9 +298,6 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        if params.top_k > vocab:
-            raise RequestError(f"top_k must be at most the vocabulary size {vocab} (or -1/0 to disable), "
-                               f"got {params.top_k}", "top_k")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise RequestError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}",
                                "logit_bias")

@@ -92,15 +92,18 @@ class PenaltyState:
 
 
 def process_logits(logits: jax.Array, s: SamplingInput, state: PenaltyState) -> jax.Array:
-    """Logit bias, min_tokens mask and penalties on the rows that use them; logits `[S, V]`.
-    (`sample` skips it when no row uses processing.)"""
+    """Logit bias, penalties and min_tokens mask on the rows that use them; logits `[S, V]`.
+    (`sample` skips it when no row uses processing.) A penalized logit stays finite (a repetition
+    penalty may scale it past float32's range); only the mask makes -inf."""
     counts = state.output_counts[s.penalty_row]
     out = logits + state.logit_bias[s.penalty_row]
-    out = jnp.where(s.in_min_tokens[:, None] & state.min_tokens_mask[s.penalty_row], -jnp.inf, out)
     seen = state.prompt_mask[s.penalty_row] | (counts > 0)
     rep = s.repetition_penalty[:, None]
     out = jnp.where(seen, jnp.where(out > 0, out / rep, out * rep), out)
     out = out - s.frequency_penalty[:, None] * counts - s.presence_penalty[:, None] * (counts > 0)
+    largest = jnp.finfo(out.dtype).max
+    out = jnp.clip(out, -largest, largest)
+    out = jnp.where(s.in_min_tokens[:, None] & state.min_tokens_mask[s.penalty_row], -jnp.inf, out)
     return jnp.where(s.processed[:, None], out, logits)
 
 
@@ -218,9 +221,9 @@ def _random_sample(logits: jax.Array, s: SamplingInput) -> jax.Array:
     and min-p keep (`keep_threshold`, skipped when no row filters), by `inverse_cdf` with one
     uniform number from the row's key; greedy rows: the argmax."""
     temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
-    # a tiny repetition penalty can scale logits to +inf, whose softmax is NaN: the largest finite
-    # value instead, so such a row draws among those tokens
-    probs = jax.nn.softmax(jnp.minimum(logits / temp, jnp.finfo(logits.dtype).max), axis=-1)
+    # less the row's largest (finite: `process_logits`), at most 0: a small temperature cannot make
+    # them +inf, whose softmax is NaN
+    probs = jax.nn.softmax((logits - jnp.max(logits, axis=-1, keepdims=True)) / temp, axis=-1)
     filters = (s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0)
     probs = jax.lax.cond(jnp.any(filters),
                          lambda: jnp.where(probs >= keep_threshold(probs, s)[:, None], probs, 0.0),

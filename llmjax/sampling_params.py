@@ -2,7 +2,7 @@
 
 Every field is type-checked and bounded here, so the offline API and the server refuse the same
 values with the same `SamplingParamsError` (which names the field). What needs the model
-(`top_k` and `logit_bias` ids against the vocabulary) is checked by the engine (`RequestError`).
+(`logit_bias` ids against the vocabulary) is checked by the engine (`RequestError`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ MAX_LOGPROBS = 20
 MAX_N = 64  # parallel samples per request
 INT32_MAX = 2**31 - 1
 SEED_MIN, SEED_END = -(2**63), 2**64  # any signed or unsigned 64-bit integer
-MAX_PENALTY = 2.0  # presence / frequency in [-2, 2]; repetition in (0, 2]
-MIN_REPETITION_PENALTY = 2.0 ** -126  # float32's smallest normal number: a smaller one is 0 on the device
+MAX_PENALTY = 2.0  # presence / frequency in [-2, 2]
+# repetition: any float32 above 0, as in vLLM; a smaller one than float32's smallest normal number is 0 on
+# the device, a larger one than its largest is infinite
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 2.0 ** -126, (2 - 2.0 ** -23) * 2.0 ** 127
 MAX_LOGIT_BIAS = 100.0
 _TOKEN_ID_TEXT = re.compile(r"[0-9]{1,10}")  # a logit_bias key as OpenAI's JSON sends it; ASCII digits only
 GREEDY_BELOW = 1e-5  # a smaller temperature samples greedily (as vLLM does), never dividing by ~0
@@ -55,7 +57,8 @@ def _is_real(x: Any) -> bool:
 class SamplingParams:
     """How to sample one request.
 
-    temperature 0 (or below 1e-5) is greedy; top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable theirs.
+    temperature 0 (or below 1e-5) is greedy; top_k 0 or -1 disables top-k (so does one at least the
+    vocabulary size, which vLLM clamps to it); top_p 1 and min_p 0 disable theirs.
     `seed` (any 64-bit integer) makes a request's samples reproducible whatever else shares its
     batch, up to float rounding (see `llmjax.sampler`); with `n` > 1 each of the n samples draws from
     its own stream derived from it. -1 means no seed (None), as in vLLM.
@@ -137,9 +140,10 @@ class SamplingParams:
             self._real(name, value)
             self._check(name, -MAX_PENALTY <= value <= MAX_PENALTY, f"{name} must be in [-2, 2], got {value}")
         self._real("repetition_penalty", self.repetition_penalty)
-        self._check("repetition_penalty", MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_PENALTY,
-                    f"repetition_penalty must be in (0, 2] and a float32 above 0 (at least "
-                    f"{MIN_REPETITION_PENALTY:.2g}), got {self.repetition_penalty}")
+        self._check("repetition_penalty",
+                    MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+                    f"repetition_penalty must be a finite float32 above 0 (in [{MIN_REPETITION_PENALTY:.2g}, "
+                    f"{MAX_REPETITION_PENALTY:.4g}]), got {self.repetition_penalty}")
         object.__setattr__(self, "logit_bias", self._checked_logit_bias(self.logit_bias))
         self._check("output_kind", isinstance(self.output_kind, RequestOutputKind),
                     f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")

@@ -2,6 +2,8 @@
 and min_tokens equal a dense no-cache decode that applies the NumPy reference of each formula to
 the model's own logits; extreme but valid values run; values the model cannot take are refused."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -100,11 +102,17 @@ def test_seeded_penalised_sampling_ignores_its_batch(engine):
     assert engine.kv.usage().used == 0
 
 
+def test_a_top_k_above_the_vocabulary_filters_nothing(engine):
+    """As vLLM clamps it to the vocabulary: the same seeded draws as top-k off."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True)
+    drawn = [tokens_of(run_to_completion(engine, PROMPTS[:1], replace(params, top_k=k)))
+             for k in (0, vocab + 1, 2**31 - 1)]
+    assert drawn[1] == drawn[0] and drawn[2] == drawn[0]
+
+
 def test_values_beyond_the_model_are_refused(engine):
     vocab = engine.model_config.vocab_size
-    with pytest.raises(RequestError) as err:
-        engine.add_request(PROMPTS[0], SamplingParams(top_k=vocab + 1))
-    assert err.value.param == "top_k"
     with pytest.raises(RequestError) as err:
         engine.add_request(PROMPTS[0], SamplingParams(logit_bias={vocab: 1.0}))
     assert err.value.param == "logit_bias"

@@ -333,6 +333,23 @@ def test_a_repetition_penalty_that_overflows_the_logits_draws_among_the_boosted_
     assert draws == {2, 3}
 
 
+def test_the_largest_repetition_penalty_keeps_the_order_of_logits_it_can_and_never_gives_nan():
+    """Every token is in the prompt and its logit negative: the largest valid repetition penalty scales
+    them all past float32's range. Row 0 (temperature 0.5) then draws among them all alike, never a
+    NaN softmax's token; row 1's least negative logit (-0.5, scaled to about -1.7e38) still wins."""
+    logits = np.array([[-5.0, -4.0, -9.0, -6.0], [-3.0, -0.5, -4.0, -2.0]], np.float32)
+    state = replace(empty_state(3, 4), prompt_mask=np.ones((3, 4), bool))
+    penalty = SamplingParams(repetition_penalty=3.4e38).repetition_penalty
+    draws = [set(), set()]
+    for seed in range(32):
+        s = sampling_input(2, processed=True, penalty_row=[0, 1], seed_lo=seed, temperature=0.5,
+                           repetition_penalty=penalty)
+        (tokens, _, _, _), _ = jax.jit(sample)(logits, s, state)
+        for row, token in enumerate(np.asarray(tokens).tolist()):
+            draws[row].add(token)
+    assert draws == [{0, 1, 2, 3}, {1}]
+
+
 def test_only_kept_tokens_of_processed_rows_are_counted():
     state = empty_state(4, 6)
     s = sampling_input(3, penalty_row=[0, 1, 3], processed=[True, True, False], keep=[True, False, True])
@@ -355,7 +372,8 @@ def test_only_kept_tokens_of_processed_rows_are_counted():
         (dict(logprobs=True), "logprobs"), (dict(ignore_eos="yes"), "ignore_eos"),
         (dict(skip_special_tokens=1), "skip_special_tokens"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
         (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-2.01), "frequency_penalty"),
-        (dict(repetition_penalty=0), "repetition_penalty"), (dict(repetition_penalty=2.5), "repetition_penalty"),
+        (dict(repetition_penalty=0), "repetition_penalty"), (dict(repetition_penalty=3.5e38), "repetition_penalty"),
+        (dict(repetition_penalty=math.inf), "repetition_penalty"),
         (dict(repetition_penalty=1e-39), "repetition_penalty"),  # 0 as a float32
         (dict(logit_bias={1: 100.5}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
         (dict(logit_bias={"abc": 1.0}), "logit_bias"), (dict(logit_bias=[1, 2]), "logit_bias"),
