@@ -370,7 +370,8 @@ class EngineConfig:
     gets its next token each step), and without chunked prefill at least `max_model_len` (a whole
     prompt runs in one step); its default is `DEFAULT_MAX_NUM_BATCHED_TOKENS`, without chunked
     prefill raised to `max_model_len`. `max_model_len`'s default (2048) is capped at the model's
-    context by the engine; a larger value set by hand is refused there (see `Default`). Static and
+    context by the engine; a larger value set by hand is refused there (see `Default`), and an
+    explicit `max_num_batched_tokens` without chunked prefill is checked against the capped value. Static and
     dynamic batches run all their members at once: `batch_size` is at most `max_num_seqs` (default
     `DEFAULT_BATCH_SIZE`, or `max_num_seqs` when smaller); `max_delay` (dynamic only) defaults to
     `DEFAULT_MAX_DELAY`. Each is None under a policy that does not read it, and giving it one is
@@ -438,11 +439,8 @@ class EngineConfig:
                 "a step must give every running sequence its next token: "
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_num_seqs ({self.max_num_seqs})"
             )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                "without chunked prefill a whole prompt must fit one step: "
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_model_len ({self.max_model_len})"
-            )
+        if not isinstance(self.max_model_len, Default):  # a default one is checked once it is resolved
+            self.check_prompts_fit_a_step()
         if self.gpu_memory_utilization is not None:
             if not 0 < self.gpu_memory_utilization <= 1:
                 raise ConfigError("gpu_memory_utilization must be in (0, 1]")
@@ -460,6 +458,17 @@ class EngineConfig:
             raise ConfigError("num_processes and process_id need a coordinator_address")
         if self.num_processes is not None and not 0 <= (self.process_id or 0) < self.num_processes:
             raise ConfigError(f"process_id must be in [0, num_processes={self.num_processes}), got {self.process_id}")
+
+    def check_prompts_fit_a_step(self) -> None:
+        """Without chunked prefill a whole prompt runs in one step: `max_num_batched_tokens` must be at
+        least `max_model_len` (ConfigError). `__post_init__` checks a `max_model_len` set by hand; a
+        default one is checked by its user once resolved (the engine, after capping it at the model's
+        context, as vLLM resolves the context first; the simulator as it is)."""
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                "without chunked prefill a whole prompt must fit one step: "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_model_len ({self.max_model_len})"
+            )
 
     def _check_types(self) -> None:
         """Each field's value is of its annotated kind (an int is no bool, a float any real number

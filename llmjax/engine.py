@@ -70,14 +70,16 @@ def freeze_gc_heap() -> None:
 def _fit_max_model_len(config: EngineConfig, context: int) -> EngineConfig:
     """`config` with `max_model_len` at most the model's `context`: the default is capped (as vLLM
     derives its default from the model); a larger value set by hand is refused, since positions past
-    the model's context would run on untrained RoPE angles."""
-    if config.max_model_len <= context:
-        return config
-    if not isinstance(config.max_model_len, Default):
-        raise ConfigError(f"max_model_len ({config.max_model_len}) is larger than the model's context length "
-                          f"({context} tokens): set it to at most {context}")
-    log.info("max_model_len capped at the model's context length, %d tokens", context)
-    return config.replace(max_model_len=Default(context))
+    the model's context would run on untrained RoPE angles. Then, without chunked prefill, a whole
+    prompt must fit a step (`EngineConfig.check_prompts_fit_a_step`)."""
+    if config.max_model_len > context:
+        if not isinstance(config.max_model_len, Default):
+            raise ConfigError(f"max_model_len ({config.max_model_len}) is larger than the model's context length "
+                              f"({context} tokens): set it to at most {context}")
+        log.info("max_model_len capped at the model's context length, %d tokens", context)
+        config = config.replace(max_model_len=Default(context))
+    config.check_prompts_fit_a_step()
+    return config
 
 
 class RequestError(ValueError):

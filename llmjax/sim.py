@@ -137,6 +137,7 @@ class Simulator:
         if config.async_scheduling:
             raise ConfigError("the simulator applies each step before it schedules the next: "
                               "it models synchronous scheduling only (async_scheduling=False)")
+        config.check_prompts_fit_a_step()  # a default max_model_len is used as it is
         self.config = config
         self.kv = kv
         self.cost = cost

@@ -61,8 +61,8 @@ ENGINE_FLAG_ERRORS = [
     (["--scheduling-policy", "dynamic", "--batch-size", "0"], "batch_size must be positive"),
     (["--scheduling-policy", "dynamic", "--batch-size", "8", "--max-num-seqs", "4"],
      "batch_size (8) > max_num_seqs (4)"),
-    (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "512"],
-     "max_num_batched_tokens (512) < max_model_len"),
+    (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "512", "--max-model-len", "1024"],
+     "max_num_batched_tokens (512) < max_model_len (1024)"),
     (["--compilation-cache-dir", ""], "compilation_cache_dir must not be empty"),
     (["--coordinator-address", " "], "coordinator_address must not be empty"),
 ]

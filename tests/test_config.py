@@ -62,13 +62,17 @@ def test_engine_config_refuses(fields, message):
 
 def test_without_chunked_prefill_the_default_budget_covers_max_model_len():
     """As in vLLM: the default token budget is raised to max_model_len (a whole prompt fits a step),
-    also when the config is copied with chunked prefill turned off; one set by hand is checked."""
+    also when the config is copied with chunked prefill turned off; one set by hand is checked against
+    a max_model_len set by hand (a default one once the engine has fitted it to the model)."""
     assert EngineConfig(enable_chunked_prefill=False).max_num_batched_tokens == 2048
     assert EngineConfig(enable_chunked_prefill=False, max_model_len=256).max_num_batched_tokens == 512
     assert EngineConfig().replace(enable_chunked_prefill=False, max_model_len=4096).max_num_batched_tokens == 4096
     assert EngineConfig(enable_chunked_prefill=False).replace(enable_chunked_prefill=True).max_num_batched_tokens == 512
     with pytest.raises(ConfigError, match="without chunked prefill"):
-        EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=512)
+        EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=1024)
+    deferred = EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=512)
+    with pytest.raises(ConfigError, match="without chunked prefill"):
+        deferred.check_prompts_fit_a_step()
 
 
 def test_engine_config_accepts_its_edges():

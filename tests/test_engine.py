@@ -329,6 +329,12 @@ def test_max_model_len_beyond_the_models_context():
     unchunked = LLMEngine(loaded, tokenizer, EngineConfig(enable_chunked_prefill=False, max_num_seqs=8, block_size=8,
                                                           kv_cache_memory_bytes=2 << 20))
     assert unchunked.config.max_num_batched_tokens == 512 and unchunked.config.max_model_len == 96
+    # a budget set by hand is checked against the capped context, as vLLM resolves the context first
+    budget_96 = dict(enable_chunked_prefill=False, max_num_batched_tokens=96, max_num_seqs=8, block_size=8,
+                     kv_cache_memory_bytes=2 << 20)
+    assert LLMEngine(loaded, tokenizer, EngineConfig(**budget_96)).config.max_num_batched_tokens == 96
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens \(95\) < max_model_len \(96\)"):
+        LLMEngine(loaded, tokenizer, EngineConfig(**{**budget_96, "max_num_batched_tokens": 95}))
     with pytest.raises(RequestError, match="maximum context length is 96"):
         engine.add_request([5] * 90, SamplingParams(max_tokens=10))
 
