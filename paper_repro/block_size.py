@@ -13,9 +13,9 @@ trade-off, measured separately:
 2. Compute (real engine on CPU, tiny-gqa preset, xla attention): throughput of one small batch at
    each block size, where the cache is gathered block by block.
 
-Writes results/block_size.{md,png}.
+Writes results/block_size.{md,json,png}.
 
-Usage: python -m paper_repro.block_size               (about 4 minutes on 2 cores)
+Usage: python -m paper_repro.block_size               (about 6 minutes on 2 cores)
        python -m paper_repro.block_size --skip-engine
 """
 
@@ -61,6 +61,35 @@ def memory_sweep(seed: int) -> dict[str, list[dict[str, float]]]:
     return results
 
 
+def latency_over_seeds(memory: dict[str, list[dict[str, float]]], seeds: list[int]) -> dict[str, list[list[float]]]:
+    """Per dataset and block size, the mean normalized latency of each seed's trace (`memory` is the
+    first seed's sweep; the others are run here): one trace's optimum can be its own noise."""
+    latency = {name: [[r["normalized_latency"]] for r in rows] for name, rows in memory.items()}
+    for seed in seeds[1:]:
+        for name, rows in memory_sweep(seed).items():
+            for cell, r in zip(latency[name], rows):
+                cell.append(r["normalized_latency"])
+    return latency
+
+
+NEAR_BEST = 0.05  # a block size "near the best": within 5% of its trace's best latency, in every trace
+
+
+def relative_to_each_seeds_best(cells: list[list[float]]) -> np.ndarray:
+    """`[block size, seed]`: each seed's latency over that seed's lowest (1 at its best block size)."""
+    table = np.array(cells)
+    return table / table.min(axis=0)
+
+
+def best_blocks(cells: list[list[float]]) -> tuple[int, list[int], list[int]]:
+    """From one dataset's latencies (per block size, per seed): the block size of the lowest mean,
+    each seed's own best block size, and the block sizes near the best in every seed (`NEAR_BEST`)."""
+    relative = relative_to_each_seeds_best(cells)
+    per_seed = [BLOCK_SIZES[i] for i in relative.argmin(axis=0)]
+    near = [b for b, row in zip(BLOCK_SIZES, relative) if row.max() <= 1 + NEAR_BEST]
+    return BLOCK_SIZES[int(np.argmin(np.mean(cells, axis=1)))], per_seed, near
+
+
 def hit_rate_sweep(seed: int) -> dict[str, list[float]]:
     """Per prefix-sharing workload, the first-admission hit rate at each block size."""
     workloads = radix_hit_rate.scale_traces(seed)
@@ -80,7 +109,7 @@ def engine_sweep(args: argparse.Namespace) -> list[dict[str, float]]:
     median of `args.repeats` runs, the block sizes taking turns so that a change in the machine's
     load falls on all of them."""
     model, tokenizer = radix_hit_rate.load(args.model)
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(args.seeds[0])
     lens = lognormal_lengths(rng, args.engine_requests, 200, 0.6, 768)
     prompts = [traces.random_tokens(rng, int(n), model.config.vocab_size) for n in lens]
     workload = radix_hit_rate.single_round("random prompts", prompts)
@@ -110,6 +139,16 @@ def memory_table(results: dict[str, list[dict[str, float]]]) -> list[str]:
     return lines
 
 
+def latency_table(latency: dict[str, list[list[float]]], seeds: list[int]) -> list[str]:
+    lines = [f"| dataset | block size | mean over seeds {', '.join(map(str, seeds))} (s/token) | range over seeds | "
+             "relative to each seed's best block size (range) |", "| --- | --- | --- | --- | --- |"]
+    for name, cells in latency.items():
+        relative = relative_to_each_seeds_best(cells)
+        lines += [f"| {name} | {b} | {np.mean(c):.3f} | {min(c):.3f}-{max(c):.3f} | {r.min():.3f}-{r.max():.3f} |"
+                  for b, c, r in zip(BLOCK_SIZES, cells, relative)]
+    return lines
+
+
 def hit_table(hits: dict[str, list[float]]) -> list[str]:
     lines = ["| workload | " + " | ".join(str(b) for b in BLOCK_SIZES) + " |", "| --- |" + " --- |" * len(BLOCK_SIZES)]
     lines += [f"| {name} | " + " | ".join(f"{100 * h:.1f}%" for h in row) + " |" for name, row in hits.items()]
@@ -126,23 +165,24 @@ def engine_table(rows: list[dict[str, float]]) -> list[str]:
     return lines
 
 
-def plot(memory: dict, hits: dict, engine: list | None, path: Path) -> None:
+def plot(latency: dict, memory: dict, hits: dict, engine: list | None, path: Path) -> None:
     panels = 3 + bool(engine)
     fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 4.0))
     colors = {"ShareGPT": "#1b6ca8", "Alpaca": "#e07b39"}
     ax = axes[0]
-    for i, (name, rows) in enumerate(memory.items()):
-        latency = np.array([r["normalized_latency"] for r in rows])
-        ax.plot(BLOCK_SIZES, latency / latency.min(), "o-", color=colors[name],
-                label=f"{name} ({DATASETS[name][1]:g} req/s; best {latency.min():.3f} s/token)")
+    for i, (name, cells) in enumerate(latency.items()):
+        relative = relative_to_each_seeds_best(cells)
+        mean = relative.mean(axis=1)
+        ax.errorbar(BLOCK_SIZES, mean, yerr=[mean - relative.min(axis=1), relative.max(axis=1) - mean],
+                    fmt="o-", capsize=2, color=colors[name], label=f"{name} ({DATASETS[name][1]:g} req/s)")
         lo, hi = PAPER_BEST[name]
         y = 0.93 - 0.1 * i
         ax.plot([lo, hi], [y, y], color=colors[name], lw=5, alpha=0.5, solid_capstyle="butt",
                 transform=ax.get_xaxis_transform())
         ax.text(lo, y + 0.035, f"paper's best, {name}", fontsize=7, color=colors[name],
                 transform=ax.get_xaxis_transform())
-    ax.set_title("Simulated latency", fontsize=10)
-    ax.set_ylabel("mean normalized latency / the best block size's")
+    ax.set_title("Simulated latency (mean and range over traces)", fontsize=10)
+    ax.set_ylabel("normalized latency / its trace's best block size's")
     ax = axes[1]
     for name, rows in memory.items():
         ax.plot(BLOCK_SIZES, [r["token_states"] or np.nan for r in rows], "o-", color=colors[name],
@@ -178,23 +218,21 @@ def plot(memory: dict, hits: dict, engine: list | None, path: Path) -> None:
     plt.close(fig)
 
 
-def report(memory: dict, hits: dict, engine: list | None, args: argparse.Namespace) -> str:
-    best = {name: min(rows, key=lambda r: r["normalized_latency"])["block_size"] for name, rows in memory.items()}
+def report(latency: dict, memory: dict, hits: dict, engine: list | None, args: argparse.Namespace) -> str:
+    best = {name: best_blocks(cells) for name, cells in latency.items()}
+    means = {name: dict(zip(BLOCK_SIZES, (float(np.mean(c)) for c in cells))) for name, cells in latency.items()}
+    at16 = " and ".join(f"{name} {m[16] / min(m.values()) - 1:.0%}" for name, m in means.items())
 
-    def slowdown_at_16(rows: list[dict[str, float]]) -> float:
-        latency = {r["block_size"]: r["normalized_latency"] for r in rows}
-        return latency[16] / min(latency.values()) - 1
-
-    at16 = " and ".join(f"{name} {slowdown_at_16(rows):.0%}" for name, rows in memory.items())
-
-    def first_worse(name: str, rows: list[dict[str, float]]) -> str:
-        """The smallest block size above the best whose latency is more than 10% above the best's."""
-        best_latency = min(r["normalized_latency"] for r in rows)
-        sizes = [r["block_size"] for r in rows if r["normalized_latency"] > 1.1 * best_latency
-                 and r["block_size"] > best[name]]
+    def first_worse(name: str) -> str:
+        """The smallest block size above the best whose mean latency is more than 10% above the best mean."""
+        lowest = min(means[name].values())
+        sizes = [b for b, m in means[name].items() if m > 1.1 * lowest and b > best[name][0]]
         return str(min(sizes)) if sizes else "none (within 10% everywhere above the best)"
 
-    worse_from = " and ".join(f"{name} {first_worse(name, rows)}" for name, rows in memory.items())
+    worse_from = " and ".join(f"{name} {first_worse(name)}" for name in means)
+    bests = "; ".join(f"{name}: lowest mean at {b}, each seed's best at {', '.join(map(str, per_seed))}, within "
+                      f"{NEAR_BEST:.0%} of its seed's best in every seed at {', '.join(map(str, near)) or 'none'}"
+                      for name, (b, per_seed, near) in best.items())
     states = ", ".join(f"{name} {fmt(next(r for r in rows if r['block_size'] == 16)['token_states'])}% / "
                        f"{fmt(rows[-1]['token_states'])}%" for name, rows in memory.items())
     engine_section = "(skipped: --skip-engine)" if not engine else "\n".join(engine_table(engine))
@@ -217,7 +255,7 @@ smaller ones underuse the GPU. Our two measurements each show one side of that t
 ## Memory side: the simulator
 
 The `memory_waste` setting (OPT-13B, A100-40GB, 15,728 KV slots, our scheduler and paged KV
-manager without prefix caching), one trace per dataset (seed {args.seed}): ShareGPT 1000 requests at
+manager without prefix caching), one trace per dataset (seed {args.seeds[0]}): ShareGPT 1000 requests at
 2 req/s (the paper's Figure 13 rate), Alpaca 6000 at 60 req/s (where our simulated vLLM is just memory
 bound at block size 16; at the paper's 30 req/s it never is, the paper's GPU steps being slower than
 our cost model's), each run until every request finishes. Memory shares are averaged over the
@@ -226,12 +264,16 @@ averaged over requests (the paper's metric).
 
 {chr(10).join(memory_table(memory))}
 
-Lowest latency at block size: {", ".join(f"{n} {b}" for n, b in best.items())} (paper: 16-128 and 16-32).
-Block size 16 is {at16} slower than the best; latency is more than 10% above the best from block
-size {worse_from}. In the simulator a block costs nothing to read, so large blocks can only lose: a
-request's last block is on average half empty, which matters in proportion to its length (Alpaca's
-~78 tokens against ShareGPT's ~500), fewer requests fit, and queues form. The paper's penalty for
-small blocks is a GPU-kernel effect the cost model leaves out.
+Normalized latency over {len(args.seeds)} traces per dataset (seeds {", ".join(map(str, args.seeds))}; the table
+above is seed {args.seeds[0]}'s): one trace's best block size is partly its own noise.
+
+{chr(10).join(latency_table(latency, args.seeds))}
+
+{bests} (paper: 16-128 and 16-32). Block size 16's mean is {at16} above the lowest; the mean is more
+than 10% above the lowest from block size {worse_from}. In the simulator a block costs nothing to read,
+so large blocks can only lose: a request's last block is on average half empty, which matters in
+proportion to its length (Alpaca's ~78 tokens against ShareGPT's ~500), fewer requests fit, and queues
+form. The paper's penalty for small blocks is a GPU-kernel effect the cost model leaves out.
 
 Prefix-cache hit rate at block size (first admissions, pool of {HIT_POOL} tokens so nothing is evicted;
 the workloads of `radix_hit_rate.md`): a match is whole pages and leaves the prompt's last token to
@@ -265,7 +307,9 @@ def main() -> None:
     parser.add_argument("--engine-requests", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0, 1, 2],
+                        help="traces of the simulated sweep (the memory table is the first's; latency over all); "
+                        "the first also seeds the engine's prompts")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--quick", action="store_true", help="smoke run: the simulator part only, at fewer block "
                         "sizes; written to build/results-quick/")
@@ -275,16 +319,19 @@ def main() -> None:
         args.skip_engine = True
         BLOCK_SIZES[:] = [8, 16, 64]
     out = args.out or results_dir(args.quick)
-    memory = memory_sweep(args.seed)
-    hits = hit_rate_sweep(args.seed)
+    memory = memory_sweep(args.seeds[0])
+    latency = latency_over_seeds(memory, args.seeds)
+    hits = hit_rate_sweep(args.seeds[0])
     engine = None if args.skip_engine else engine_sweep(args)
-    print("\n" + "\n".join(memory_table(memory)) + "\n\n" + "\n".join(hit_table(hits)))
+    print("\n" + "\n".join(memory_table(memory)) + "\n\n" + "\n".join(latency_table(latency, args.seeds))
+          + "\n\n" + "\n".join(hit_table(hits)))
     if engine:
         print("\n" + "\n".join(engine_table(engine)))
     out.mkdir(parents=True, exist_ok=True)
-    plot(memory, hits, engine, out / "block_size.png")
-    write_results(out, "block_size", report(memory, hits, engine, args),
-                  {"memory": memory, "hits": {name: dict(zip(map(str, BLOCK_SIZES), row)) for name, row in hits.items()},
+    plot(latency, memory, hits, engine, out / "block_size.png")
+    by_block = lambda table: {name: dict(zip(map(str, BLOCK_SIZES), row)) for name, row in table.items()}  # noqa: E731
+    write_results(out, "block_size", report(latency, memory, hits, engine, args),
+                  {"memory": memory, "latency_over_seeds": by_block(latency), "hits": by_block(hits),
                    "engine": engine, "args": {k: v for k, v in vars(args).items() if k != "out"}})
     print(f"wrote {out / 'block_size.md'}, .json and .png")
 

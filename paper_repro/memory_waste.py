@@ -385,8 +385,8 @@ Each cell: token states / reservation / internal / external / mean batch.
 - Trace: {args.requests} requests per seed (seeds 0..{seeds - 1}), Poisson arrivals at {RATE} req/s.
   Lengths are log-normal (`paper_repro/traces.py`), prompt sigma {SHAREGPT.sigma_prompt} and output
   sigma {SHAREGPT.sigma_output} in log space (our assumption: the paper publishes only the means), with
-  the location solved so the drawn means are the paper's 161.31 and 337.99 tokens exactly; prompts capped
-  at 1024 and prompt + output at 2048 (vLLM's ShareGPT filter). Prompt tokens are random (no sharing).
+  the location solved so the drawn means are the paper's 161.31 and 337.99 tokens exactly; prompts clipped
+  at 1024 and prompt + output at 2048 (the limits of vLLM's ShareGPT filter, which drops such requests). Prompt tokens are random (no sharing).
 - Which run the paper's Figure 2 averages over is not stated; ours is the ShareGPT run at 2 req/s of
   Figure 13a, from {WARMUP:.0%} of the arrival period to the last arrival.
 

@@ -123,6 +123,9 @@ def step_shapes(engine: LLMEngine, workload: Workload, max_tokens: int) -> set[t
 _WARMED: set[tuple] = set()  # (model, block size, bucket): compiled steps are shared by a process's engines
 
 
+TIMED = ("throughput", "cpu_throughput", "ttft")  # `measure`'s timings; its other entries are counts
+
+
 def measure(engine: LLMEngine, workload: Workload, max_tokens: int) -> dict[str, float]:
     """Serve the workload round by round: hit rate, requests per wall second (`throughput`) and per CPU
     second of this process (`cpu_throughput`: the work done, less sensitive to other processes sharing
@@ -185,11 +188,11 @@ def engine_part(args: argparse.Namespace) -> dict[str, dict[str, dict]]:
     for name, by_mode in runs.items():
         results[name] = {}
         for mode, measured in by_mode.items():
-            if len({(m["hit_rate"], m["preemptions"]) for m in measured}) != 1:
+            counts = [{k: v for k, v in m.items() if k not in TIMED} for m in measured]
+            if any(c != counts[0] for c in counts):
                 raise RuntimeError(f"{name}, {mode}: runs scheduled differently: {measured}")
-            entry = {key: float(np.median([m[key] for m in measured])) for key in measured[0]}
-            entry.update(hit_rate=measured[0]["hit_rate"], preemptions=measured[0]["preemptions"],
-                         cpu_throughput_runs=[m["cpu_throughput"] for m in measured])
+            entry = counts[0] | {key: float(np.median([m[key] for m in measured])) for key in TIMED}
+            entry.update(cpu_throughput_runs=[m["cpu_throughput"] for m in measured])
             if mode != "off":
                 entry["cpu_speedup_runs"] = [m["cpu_throughput"] / o["cpu_throughput"]
                                              for m, o in zip(measured, by_mode["off"])]

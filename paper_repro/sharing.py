@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import matplotlib
 
@@ -249,10 +250,11 @@ def main() -> None:
     ap.add_argument("--engine-requests", type=int, default=40, help="requests of the real engine's part")
     ap.add_argument("--quick", action="store_true", help="smoke run: 30 requests (engine 4); written to "
                     "build/results-quick/")
+    ap.add_argument("--out", type=Path, default=None, help="default: results/ (quick: build/results-quick/)")
     args = ap.parse_args()
     if args.quick:
         args.requests, args.engine_requests = 30, 4
-    out = results_dir(args.quick)
+    out = args.out or results_dir(args.quick)
     results = {dist.name: run(dist, args.requests, args.seed) for dist in (ALPACA, SHAREGPT)}
     engine = engine_part(args.engine_requests, args.seed)
     rows = ["| dataset | method | " + " | ".join(f"width {w}" for w in WIDTHS) + " | paper |",
@@ -306,7 +308,7 @@ def main() -> None:
                                 "paper_saving": list(PAPER[name][method])}
                        for method in PAPER[name]} for name, r in results.items()},
         "beam_ceiling": {name: [r[BOUND][w] for w in WIDTHS] for name, r in results.items()},
-        "engine": engine, "args": vars(args)})
+        "engine": engine, "args": {k: v for k, v in vars(args).items() if k != "out"}})
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ def random_tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
 
 def length_trace(dist: LengthDist, n: int, rate: float, seed: int, vocab: int, max_model_len: int = 2048,
                  max_prompt_len: int = 1024, name: str | None = None) -> list[TraceRequest]:
-    """n requests with `dist`'s lengths (prompt <= max_prompt_len, prompt + output <= max_model_len, as
-    vLLM's benchmark filters ShareGPT) arriving at `rate` per second (rate <= 0: all at t=0). Request ids
+    """n requests with `dist`'s lengths clipped to prompt <= max_prompt_len and prompt + output <=
+    max_model_len (the limits of vLLM's ShareGPT benchmark filter, which drops a longer request where
+    this clips it) arriving at `rate` per second (rate <= 0: all at t=0). Request ids
     are `name` + index (default name: "<dist.name>-")."""
     rng = np.random.default_rng(seed)
     prompt_lens = lognormal_lengths(rng, n, dist.mean_prompt, dist.sigma_prompt, max_prompt_len)
