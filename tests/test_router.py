@@ -528,7 +528,7 @@ POISON = [
     ({"prompt": "hi", "logprobs": 1000}, {400}),
     ({"prompt": "hi", "n": 10**6}, {400}),
     ({"prompt": "hi", "logit_bias": {"99999999": 5}}, {400}),
-    ({"prompt": "hi", "top_k": 10**6}, {400}),
+    ({"prompt": "hi", "max_tokens": 2, "top_k": 10**6}, {200}),  # valid: above the vocabulary, it filters nothing
     ({"prompt": "hi", "stop": [""]}, {400}),
     ({"prompt": "hi", "response_format": {"type": "json_object"}}, {400}),
     (b'{"model": "tiny", "prompt": ', {400}),
