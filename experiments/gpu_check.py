@@ -486,7 +486,7 @@ def compare_greedy(ref_outs, outs, margin):
             verdicts.append("same")
             continue
         i = next(j for j, (a, b) in enumerate(zip(r.token_ids, o.token_ids)) if a != b)
-        top = sorted((r.logprobs or [{}])[i].values(), reverse=True) if r.logprobs else []
+        top = sorted((e.logprob for e in r.logprobs[i].values()), reverse=True) if r.logprobs else []
         gap = top[0] - top[1] if len(top) > 1 else float("inf")
         verdicts.append(f"near-tie at {i} (gap {gap:.3f})" if gap <= margin
                         else f"DIFFERENT at {i} (gap {gap:.3f})")

@@ -332,7 +332,8 @@ def cache_effect(n: int, output_kind: str, steps: int, context: int) -> dict:
     kv_bytes = n * context * engine.model_config.kv_bytes_per_token(itemsize)
     stream = np.ones(kv_bytes // 8)
     tokens = np.asarray([r.output_token_ids[-1] for r in engine.scheduler.running], np.int32)
-    result = StepResult(tokens, np.zeros(n, np.float32), np.zeros((n, 0), np.int32), np.zeros((n, 0), np.float32))
+    result = StepResult(tokens, np.zeros(n, np.float32), np.zeros(n, np.int32), np.zeros((n, 0), np.int32),
+                        np.zeros((n, 0), np.float32))
     times = {}
     for label in ("hot", "streamed", "hot"):  # hot again last: the first hot pass also warms up
         spent = dict.fromkeys(CACHE_PHASES, 0.0)

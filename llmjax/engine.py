@@ -41,7 +41,7 @@ from llmjax.config import DEFAULT_GPU_MEMORY_UTILIZATION, ConfigError, Default, 
 from llmjax.kv.manager import KVCacheManager
 from llmjax.kv.sizing import device_memory_stats, kv_budget_bytes, num_blocks_from_budget
 from llmjax.models.loader import LoadedModel, default_dtype, load_model
-from llmjax.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from llmjax.request import Request, RequestStatus
 from llmjax.runner import InFlight, ModelRunner, PromptLogprobs, StepResult, enable_compilation_cache
 from llmjax.sampling_params import RequestOutputKind, SamplingParams
@@ -438,8 +438,17 @@ class LLMEngine:
         self.time_output += time.perf_counter() - t2
         return outputs
 
-    @staticmethod
-    def _collect_prompt_logprobs(out: SchedulerOutput, prompt: PromptLogprobs) -> None:
+    def _logprob_entry(self, token: int, logprob: float, rank: int, top_ids: np.ndarray,
+                       top_logprobs: np.ndarray) -> dict[int, Logprob]:
+        """A token's logprobs entry as vLLM builds it: its own `Logprob` first, then the top ones (ranks
+        1, 2, ...; a top token that is the token itself replaces its entry)."""
+        text = self.tokenizer.token_to_text
+        entry = {token: Logprob(logprob, rank, text(token))}
+        for rank, (top, top_logprob) in enumerate(zip(top_ids.tolist(), top_logprobs.tolist()), 1):
+            entry[top] = Logprob(top_logprob, rank, text(top))
+        return entry
+
+    def _collect_prompt_logprobs(self, out: SchedulerOutput, prompt: PromptLogprobs) -> None:
         """Append the step's prompt logprobs to the requests collecting them: new token j of request i
         (at position `out.num_computed[i] + j`) gives the entry of the prompt token after it. A request
         recomputing its prompt after a preemption skips the entries it already has."""
@@ -454,9 +463,9 @@ class LLMEngine:
             if first < 0:  # cannot happen: a collecting request never skips prompt tokens
                 continue
             for row in range(int(offsets[i]) + first, int(offsets[i]) + end):
-                entry = {ids[len(entries)]: float(prompt.logprobs[row])}
-                entry.update(zip(prompt.top_ids[row, :k].tolist(), prompt.top_logprobs[row, :k].tolist()))
-                entries.append(entry)
+                entries.append(self._logprob_entry(ids[len(entries)], float(prompt.logprobs[row]),
+                                                   int(prompt.ranks[row]), prompt.top_ids[row, :k],
+                                                   prompt.top_logprobs[row, :k]))
 
     def _after_token(self, request: Request, parent: _Parent, result, i: int, now: float) -> None:
         """The engine's part of a new token (the scheduler appended it and checked EOS, stop ids and
@@ -479,11 +488,11 @@ class LLMEngine:
         stop_token = request.status is RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output
         if params.logprobs is not None:
             state = parent.texts[request.sample_index]
-            entry = {token: float(result.logprobs[i])}
-            entry.update(zip(result.top_ids[i, :params.logprobs].tolist(),
-                             result.top_logprobs[i, :params.logprobs].tolist()))
-            request.output_logprobs.append(entry)
-            state.cumulative_logprob += float(result.logprobs[i])
+            logprob = float(result.logprobs[i])
+            request.output_logprobs.append(self._logprob_entry(token, logprob, int(result.ranks[i]),
+                                                               result.top_ids[i, :params.logprobs],
+                                                               result.top_logprobs[i, :params.logprobs]))
+            state.cumulative_logprob += logprob
         if params.stop:
             state = parent.texts[request.sample_index]
             new_chars = state.detokenize(output_ids, stop_token)

@@ -16,6 +16,18 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class Logprob:
+    """A token's entry in a logprobs dict (vLLM's `Logprob`): its logprob under the model's raw
+    distribution, its rank there (1 for the most probable; the sampled or prompt token's counts the
+    tokens at least as probable, a top token's is its place in the top list) and its text alone
+    (`Tokenizer.token_to_text`)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     """One sample of a request. In a delta: the text, token ids and logprobs this step added;
     `cumulative_logprob` is the running total (None unless logprobs were requested, as in vLLM)."""
@@ -24,7 +36,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, sampled token first
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: the sampled token's entry first, then the top ones
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
@@ -62,10 +74,10 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
-    # with `SamplingParams.prompt_logprobs`: per prompt token, None for the first, then {token id: logprob},
+    # with `SamplingParams.prompt_logprobs`: per prompt token, None for the first, then {token id: Logprob},
     # the prompt's token first, then the top ones. In one output only: the first once they are all
     # computed (a DELTA request's first token), or the final one
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Append a later delta of the same request to this (accumulated) output."""

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
+from llmjax.outputs import Logprob
 from llmjax.sampling_params import SamplingParams
 
 
@@ -65,8 +66,8 @@ class Request:
     key: Hashable = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0

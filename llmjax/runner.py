@@ -59,11 +59,12 @@ def enable_compilation_cache(path: str | None = None) -> None:
 
 
 class PromptLogprobs(NamedTuple):
-    """Per new token of a step (flat, as `SchedulerOutput.token_ids`): the logprob of the prompt token
-    after it (`SchedulerOutput.prompt_targets`; 0 where it has none), the MAX_LOGPROBS most probable
-    ids there and their logprobs."""
+    """Per new token of a step (flat, as `SchedulerOutput.token_ids`): the logprob and rank of the prompt
+    token after it (`SchedulerOutput.prompt_targets`; 0 where it has none), the MAX_LOGPROBS most
+    probable ids there and their logprobs."""
 
     logprobs: np.ndarray  # [N] float32
+    ranks: np.ndarray  # [N] int32
     top_ids: np.ndarray  # [N, k] int32
     top_logprobs: np.ndarray  # [N, k] float32
 
@@ -75,6 +76,7 @@ class StepResult:
 
     token_ids: np.ndarray  # [n] int32
     logprobs: np.ndarray  # [n] float32, the sampled token's logprob
+    ranks: np.ndarray  # [n] int32, the sampled token's rank (`sampler.ranks`)
     top_ids: np.ndarray  # [n, k]
     top_logprobs: np.ndarray  # [n, k]
     prompt_logprobs: PromptLogprobs | None = None
@@ -83,9 +85,10 @@ class StepResult:
 @dataclass
 class InFlight:
     """A dispatched step: its device outputs, not yet waited for. `tokens` ([max_num_seqs] int32) feeds
-    the next step; `packed` ([S, 2 + 2 * MAX_LOGPROBS] int32: token, logprob bits, top ids, top logprob
-    bits) is what `fetch` brings to the host; `prompt` ([T, 1 + 2 * MAX_LOGPROBS] int32: logprob bits, top
-    ids, top logprob bits) the prompt logprobs of a step with prompt targets, for its `num_tokens` tokens."""
+    the next step; `packed` ([S, 3 + 2 * MAX_LOGPROBS] int32: token, logprob bits, rank, top ids, top
+    logprob bits) is what `fetch` brings to the host; `prompt` ([T, 2 + 2 * MAX_LOGPROBS] int32: logprob
+    bits, rank, top ids, top logprob bits) the prompt logprobs of a step with prompt targets, for its
+    `num_tokens` tokens."""
 
     num_requests: int
     tokens: jax.Array
@@ -132,15 +135,15 @@ def _make_step_function(graphdef, param_tree, backend, block_size: int, layout: 
         step_input = step_input.replace(token_ids=tokens)
         model = nnx.merge(graphdef, params)
         hidden, cache = model.forward_paged(cache, step_input, backend, block_size, decode_only)
-        (ids, lp, top_ids, top_lp), penalties = sample(model.logits(hidden[step_input.logits_indices]), sampling,
+        (ids, lp, rank, top_ids, top_lp), penalties = sample(model.logits(hidden[step_input.logits_indices]), sampling,
                                                        penalties)
         bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)  # noqa: E731
-        packed = jnp.concatenate([ids[:, None], bits(lp)[:, None], top_ids, bits(top_lp)], axis=1)
+        packed = jnp.concatenate([ids[:, None], bits(lp)[:, None], rank[:, None], top_ids, bits(top_lp)], axis=1)
         padded = jnp.zeros(max_num_seqs, jnp.int32).at[: ids.shape[0]].set(ids[:max_num_seqs])
         prompt = None
         if prompt_targets is not None:  # a variant of its own: traced per None-ness of the argument
-            p_lp, p_ids, p_top = prompt_logprobs(model.logits, hidden, prompt_targets)
-            prompt = jnp.concatenate([bits(p_lp)[:, None], p_ids, bits(p_top)], axis=1)
+            p_lp, p_rank, p_ids, p_top = prompt_logprobs(model.logits, hidden, prompt_targets)
+            prompt = jnp.concatenate([bits(p_lp)[:, None], p_rank[:, None], p_ids, bits(p_top)], axis=1)
         return padded, packed, cache, penalties, prompt
 
     shardings = {}
@@ -446,10 +449,10 @@ class ModelRunner:
         self.time_device += time.perf_counter() - t0
         k = MAX_LOGPROBS
         if prompt is not None:
-            prompt = PromptLogprobs(prompt[:, 0].view(np.float32), prompt[:, 1 : 1 + k],
-                                    prompt[:, 1 + k :].view(np.float32))
-        return StepResult(packed[:, 0], packed[:, 1].view(np.float32), packed[:, 2 : 2 + k],
-                          packed[:, 2 + k :].view(np.float32), prompt)
+            prompt = PromptLogprobs(prompt[:, 0].view(np.float32), prompt[:, 1], prompt[:, 2 : 2 + k],
+                                    prompt[:, 2 + k :].view(np.float32))
+        return StepResult(packed[:, 0], packed[:, 1].view(np.float32), packed[:, 2], packed[:, 3 : 3 + k],
+                          packed[:, 3 + k :].view(np.float32), prompt)
 
     def warmup(self, shapes: list[Shape]) -> None:
         """Compile the step for each (T, S, B, decode_only) bucket ahead of serving, with a progress bar.

@@ -248,10 +248,17 @@ def top_logprobs(logits: jax.Array, none: bool = False) -> tuple[jax.Array, jax.
     return jnp.pad(lp, pad, constant_values=-jnp.inf), jnp.pad(ids, pad)
 
 
+def ranks(logits: jax.Array, chosen: jax.Array) -> jax.Array:
+    """vLLM's rank of each row's chosen token, given its logit `chosen` `[S]`: how many of the row's
+    logits `[S, V]` are at least as large (1 for the most probable), int32 `[S]`."""
+    return jnp.sum(logits >= chosen[:, None], axis=-1, dtype=jnp.int32)
+
+
 def sample(logits: jax.Array, s: SamplingInput, state: PenaltyState):
-    """logits `[S, V]` float32 -> ((tokens `[S]`, logprob of each token `[S]`, top ids `[S, MAX_LOGPROBS]`,
-    top logprobs `[S, MAX_LOGPROBS]`), the updated `state`). The logprobs are 0 and the top ids and
-    logprobs 0 and -inf unless a row asks for them (`want_logprob`, `want_top`)."""
+    """logits `[S, V]` float32 -> ((tokens `[S]`, logprob of each token `[S]`, its rank `[S]` (`ranks`),
+    top ids `[S, MAX_LOGPROBS]`, top logprobs `[S, MAX_LOGPROBS]`), the updated `state`). Logprobs and
+    ranks are of the raw distribution (vLLM's default); they are 0 and the top ids and logprobs 0 and
+    -inf unless a row asks for them (`want_logprob`, `want_top`)."""
     def choose(scores: jax.Array) -> jax.Array:
         return jax.lax.cond(jnp.all(s.temperature == 0), lambda: first_argmax(scores),
                             lambda: _random_sample(scores, s))
@@ -260,11 +267,12 @@ def sample(logits: jax.Array, s: SamplingInput, state: PenaltyState):
     tokens = jax.lax.cond(jnp.any(s.processed), lambda: choose(process_logits(logits, s, state)),
                           lambda: choose(logits))
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
-    token_logprobs = jax.lax.cond(jnp.any(s.want_logprob), lambda: chosen - jax.nn.logsumexp(logits, axis=-1),
-                                  lambda: jnp.zeros_like(chosen))
+    token_logprobs, token_ranks = jax.lax.cond(
+        jnp.any(s.want_logprob), lambda: (chosen - jax.nn.logsumexp(logits, axis=-1), ranks(logits, chosen)),
+        lambda: (jnp.zeros_like(chosen), jnp.zeros_like(tokens)))
     top_lp, top_ids = jax.lax.cond(jnp.any(s.want_top), lambda: top_logprobs(logits),
                                    lambda: top_logprobs(logits, none=True))
-    return (tokens, token_logprobs, top_ids, top_lp), count_tokens(state, tokens, s)
+    return (tokens, token_logprobs, token_ranks, top_ids, top_lp), count_tokens(state, tokens, s)
 
 
 PROMPT_LOGPROB_ROWS = 64  # rows of `prompt_logprobs` whose logits exist at once ([64, V] float32)
@@ -273,17 +281,18 @@ PROMPT_LOGPROB_ROWS = 64  # rows of `prompt_logprobs` whose logits exist at once
 def prompt_logprobs(logits_of, hidden: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Prompt logprobs of a step's tokens: row t of `hidden` `[T, D]` (a final hidden state, to which
     `logits_of` applies the LM head) predicts `targets[t]` (the next prompt token; -1: none wanted).
-    Returns (the target's logprob `[T]` (0 where none), top ids `[T, MAX_LOGPROBS]`, their logprobs
-    `[T, MAX_LOGPROBS]`), of the raw distribution. The logits are made `PROMPT_LOGPROB_ROWS` rows at a
-    time, so a long chunk never holds `[T, V]` of them."""
+    Returns (the target's logprob `[T]` (0 where none), its rank `[T]` (`ranks`; 0 where none), top ids
+    `[T, MAX_LOGPROBS]`, their logprobs `[T, MAX_LOGPROBS]`), of the raw distribution. The logits are
+    made `PROMPT_LOGPROB_ROWS` rows at a time, so a long chunk never holds `[T, V]` of them."""
 
     def rows(block):
         h, target = block
         logits = logits_of(h)
         chosen = jnp.take_along_axis(logits, jnp.maximum(target, 0)[:, None], axis=-1)[:, 0]
         lp = jnp.where(target >= 0, chosen - jax.nn.logsumexp(logits, axis=-1), 0.0)
+        rank = jnp.where(target >= 0, ranks(logits, chosen), 0)
         top_lp, top_ids = top_logprobs(logits)
-        return lp, top_ids, top_lp
+        return lp, rank, top_ids, top_lp
 
     t, b = hidden.shape[0], min(PROMPT_LOGPROB_ROWS, hidden.shape[0])
     pad = -t % b

@@ -109,6 +109,7 @@ class Tokenizer:
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         self._byte_level = isinstance(getattr(backend, "decoder", None), tokenizers.decoders.ByteLevel)
         self._byte_tables: dict[bool, list[bytes]] = {}  # see `byte_table`
+        self._token_texts: dict[int, str] = {}  # see `token_to_text`
         self._backend = backend
         self._longest_entry = max(map(len, vocab))
         for skip_special_tokens in (True, False):  # built now, not in a serving step (tens of ms each)
@@ -140,7 +141,13 @@ class Tokenizer:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_text(self, token_id: int) -> str:
-        return self.hf.decode([token_id])
+        """One token's text on its own (part of a character shows as U+FFFD), remembered once made: a
+        request with logprobs asks for 21 tokens' a step. Safe from several threads (a race makes a
+        text twice)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.hf.decode([token_id])
+        return text
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for (OpenAI's logprob `bytes`): with a byte-level vocabulary,

@@ -91,3 +91,13 @@ def dense_logits(engine: LLMEngine, tokens: list[int]) -> np.ndarray:
     padded[: len(tokens)] = tokens
     logits = _dense_logits_fn(engine.runner.graphdef)(engine.runner.params, jnp.asarray(padded))
     return np.asarray(logits)[: len(tokens)]
+
+
+def assert_logprob_ranks_and_texts(engine, entry, row: np.ndarray, k: int, atol: float) -> None:
+    """vLLM's ranks against the reference logprobs `row`: each entry's is between 1 + the number of
+    logprobs above its own and the number at least its own (up to `atol`), and the k top entries take
+    1, 2, ..., k; each entry's text is its token's alone."""
+    for t, e in entry.items():
+        assert int((row > row[t] + atol).sum()) + 1 <= e.rank <= int((row >= row[t] - atol).sum()), (t, e)
+        assert e.decoded_token == engine.tokenizer.token_to_text(t), (t, e)
+    assert set(range(1, k + 1)) <= {e.rank for e in entry.values()}, entry

@@ -28,7 +28,8 @@ def overrides(preset: str, config: str) -> dict:
 def summary(outputs):
     """Every field of every sample; logprobs to 4 decimals (steps batched differently may round differently)."""
     def rounded(logprobs):
-        return None if logprobs is None else [{t: round(v, 4) for t, v in e.items()} for e in logprobs]
+        return None if logprobs is None else [{t: (round(v.logprob, 4), v.decoded_token) for t, v in e.items()}
+                                              for e in logprobs]
     return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason, rounded(c.logprobs)) for c in o.outputs]
             for o in outputs]
 
@@ -186,10 +187,10 @@ def test_one_transfer_per_step_brings_tokens_and_logprobs(monkeypatch, async_sch
     out = drain(engine, ids)[0]
     assert engine.num_steps > 6  # prefill chunks, then decodes
     assert len(fetches) == len(reads) == engine.num_steps, (engine.num_steps, fetches, reads)
-    # the packed [S, 2 + 2 * MAX_LOGPROBS] results (top logprobs along), never the [S] tokens
-    assert all(len(shape) == 2 and shape[1] == 2 + 2 * MAX_LOGPROBS for shape in reads), reads
+    # the packed [S, 3 + 2 * MAX_LOGPROBS] results (top logprobs along), never the [S] tokens
+    assert all(len(shape) == 2 and shape[1] == 3 + 2 * MAX_LOGPROBS for shape in reads), reads
     lps = out.outputs[0].logprobs
     assert len(lps) == 4 and all(len(entry) == 3 for entry in lps)
     for token, entry in zip(out.outputs[0].token_ids, lps):
-        assert max(entry.values()) == pytest.approx(entry[token])  # greedy: the sampled token is the top one
-        assert all(np.isfinite(v) and v <= 0 for v in entry.values())
+        assert max(e.logprob for e in entry.values()) == pytest.approx(entry[token].logprob)  # greedy: the top
+        assert entry[token].rank == 1 and all(np.isfinite(e.logprob) and e.logprob <= 0 for e in entry.values())

@@ -10,7 +10,8 @@ import pytest
 from llmjax.engine import RequestError
 from llmjax.outputs import OutputAccumulator
 from llmjax.sampling_params import RequestOutputKind, SamplingParams
-from tests.engine_helpers import (GREEDY, assert_greedy_matches, dense_greedy, dense_logits, drain,
+from tests.engine_helpers import (GREEDY, assert_greedy_matches, assert_logprob_ranks_and_texts, dense_greedy,
+                                  dense_logits, drain,
                                   engine_bytes_per_token, run_to_completion, tiny_engine)
 
 RNG = np.random.default_rng(1234)
@@ -138,8 +139,10 @@ def test_greedy_logprobs_are_the_reference_log_softmax():
             assert all(ref[i, t] > best[k - 1] - tol for t in got[1:]), (i, got)  # none below the k-th
             assert all(ref[i, a] > ref[i, b] - tol for a, b in zip(got, got[1:])), (i, got)
             for t, value in entry.items():
-                assert value == pytest.approx(ref[i, t], abs=tol), (i, t)
-        assert c.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(c.token_ids, c.logprobs)), abs=1e-4)
+                assert value.logprob == pytest.approx(ref[i, t], abs=tol), (i, t)
+            assert_logprob_ranks_and_texts(engine, entry, ref[i], k, tol)
+        assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)),
+                                                     abs=1e-4)
 
 
 def test_stop_string_cuts_the_text():

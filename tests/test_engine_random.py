@@ -183,8 +183,9 @@ def check_prompt_logprobs(engine, prompt: list[int], k: int, entries, whole: boo
         entry, row = entries[t], ref[t - 1]
         ids = list(entry)
         assert ids[0] == prompt[t] and max(k, 1) <= len(ids) <= k + 1
-        np.testing.assert_allclose([entry[i] for i in ids], row[ids], atol=2e-5)
-        np.testing.assert_allclose(sorted(entry.values(), reverse=True)[:k], np.sort(row)[::-1][:k], atol=2e-5)
+        np.testing.assert_allclose([entry[i].logprob for i in ids], row[ids], atol=2e-5)
+        np.testing.assert_allclose(sorted((e.logprob for e in entry.values()), reverse=True)[:k],
+                                   np.sort(row)[::-1][:k], atol=2e-5)
 
 
 def check_greedy(engine, prompt: list[int], params: SamplingParams, tokens: list[int], where: str) -> None:

@@ -178,13 +178,13 @@ def test_logprobs_and_cumulative_logprob(llm):
                                                                       ignore_eos=True, logprobs=2), use_tqdm=False)
     [c] = out.outputs
     assert len(c.logprobs) == 6 and all(len(e) in (2, 3) and t in e for t, e in zip(c.token_ids, c.logprobs))
-    assert c.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(c.token_ids, c.logprobs)), rel=1e-5)
+    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)), rel=1e-5)
 
 
 
 def test_generate_returns_prompt_logprobs(llm):
     """`prompt_logprobs` through `LLM.generate`, vLLM's shape: None for the first prompt token, then
-    {id: logprob} with the prompt's token first: the dense model's; none unless asked for."""
+    {id: Logprob} with the prompt's token first: the dense model's; none unless asked for."""
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
     [out, plain] = llm.generate([{"prompt_token_ids": PROMPT}, "abc"],
                                 [params, SamplingParams(max_tokens=2)], use_tqdm=False)
@@ -194,8 +194,8 @@ def test_generate_returns_prompt_logprobs(llm):
     ref = np.asarray(jax.nn.log_softmax(dense_logits(llm.engine, PROMPT), axis=-1))
     for t in range(1, len(PROMPT)):
         assert next(iter(entries[t])) == PROMPT[t] and len(entries[t]) in (1, 2)
-        np.testing.assert_allclose(list(entries[t].values()), ref[t - 1, list(entries[t])], atol=2e-5)
-        assert max(entries[t].values()) == pytest.approx(ref[t - 1].max(), abs=2e-5)
+        np.testing.assert_allclose([e.logprob for e in entries[t].values()], ref[t - 1, list(entries[t])], atol=2e-5)
+        assert max(e.logprob for e in entries[t].values()) == pytest.approx(ref[t - 1].max(), abs=2e-5)
 
 def test_step_returns_deltas(llm):
     engine = llm.engine

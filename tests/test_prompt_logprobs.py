@@ -10,8 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from tests.engine_helpers import (GREEDY, OutputAccumulator, SamplingParams, assert_greedy_matches, dense_greedy,
-                            dense_logits, drain, engine_bytes_per_token, tiny_engine)
+from tests.engine_helpers import (GREEDY, OutputAccumulator, SamplingParams, assert_greedy_matches,
+                                  assert_logprob_ranks_and_texts, dense_greedy, dense_logits, drain,
+                                  engine_bytes_per_token, tiny_engine)
 from llmjax.sampling_params import RequestOutputKind, SamplingParamsError
 
 
@@ -25,17 +26,20 @@ def with_(params: SamplingParams, **changes) -> SamplingParams:
 
 
 def assert_prompt_logprobs(engine, prompt: list[int], entries, k: int, atol: float = 2e-5) -> None:
-    """`entries` are the dense model's: None first, then per token {id: logprob} with the token's own
+    """`entries` are the dense model's: None first, then per token {id: Logprob} with the token's own
     first, the others its top k (ids may differ from the reference's only between near-equal values):
-    every value is the reference's at its id, and the k largest are the reference's k largest."""
+    every logprob is the reference's at its id, and the k largest are the reference's k largest;
+    ranks and texts as `assert_logprob_ranks_and_texts`."""
     assert entries is not None and len(entries) == len(prompt) and entries[0] is None
     ref = np.asarray(jax.nn.log_softmax(dense_logits(engine, prompt), axis=-1))
     for t in range(1, len(prompt)):
         entry, row = entries[t], ref[t - 1]
         ids = list(entry)
         assert ids[0] == prompt[t] and max(k, 1) <= len(ids) <= k + 1, (t, ids)
-        np.testing.assert_allclose([entry[i] for i in ids], row[ids], atol=atol)
-        np.testing.assert_allclose(sorted(entry.values(), reverse=True)[:k], np.sort(row)[::-1][:k], atol=atol)
+        np.testing.assert_allclose([entry[i].logprob for i in ids], row[ids], atol=atol)
+        np.testing.assert_allclose(sorted((e.logprob for e in entry.values()), reverse=True)[:k],
+                                   np.sort(row)[::-1][:k], atol=atol)
+        assert_logprob_ranks_and_texts(engine, entry, row, k, atol)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -39,7 +39,7 @@ def draw(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=3, seed_hi=0, samp
     logits = np.tile(np.log(PROBS).astype(np.float32), (N, 1))
     s = sampling_input(N, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed_lo=seed,
                        seed_hi=seed_hi, sample_index=sample_index, output_index=np.arange(N))
-    (tokens, logprobs, _, _), _ = jax.jit(sample)(logits, s, empty_state(1, len(PROBS)))
+    (tokens, logprobs, _, _, _), _ = jax.jit(sample)(logits, s, empty_state(1, len(PROBS)))
     return np.asarray(tokens), np.asarray(logprobs)
 
 
@@ -155,7 +155,7 @@ def test_filters_on_a_large_vocabulary(kwargs, kept):
         kept = int(((np.cumsum(probs[order]) - probs[order]) < kwargs["top_p"]).sum())
     logits = np.tile(np.log(probs).astype(np.float32), (N, 1))
     s = sampling_input(N, output_index=np.arange(N), **kwargs)
-    (tokens, _, _, _), _ = jax.jit(sample)(logits, s, empty_state(1, vocab))
+    (tokens, _, _, _, _), _ = jax.jit(sample)(logits, s, empty_state(1, vocab))
     tokens = np.asarray(tokens)
     assert np.isin(tokens, order[:kept]).all()
     main = order[:min(kept, 6)]
@@ -191,7 +191,7 @@ def test_token_logprobs_only_for_rows_that_ask():
     raw = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
     best = logits.argmax(-1)
     for want in ([False, True, False, True], [False] * 4):
-        (tokens, logprobs, _, _), _ = jax.jit(sample)(
+        (tokens, logprobs, _, _, _), _ = jax.jit(sample)(
             logits, sampling_input(4, temperature=0.0, want_logprob=want), empty_state(1, 3000))
         np.testing.assert_array_equal(np.asarray(tokens), best)
         got = np.asarray(logprobs)
@@ -227,8 +227,11 @@ def test_top_logprobs_are_the_top_k_of_the_raw_log_softmax():
     s = sampling_input(rows, temperature=[0.0, 1.0, 0.7, 0.0, 1.3, 0.0], top_k=[0, 0, 5, 0, 0, 0],
                        seed_lo=np.arange(rows), penalty_row=np.arange(rows), processed=[False] * 5 + [True],
                        want_top=[False, True, False, False, False, False])
-    (tokens, token_lp, top_ids, top_lp), _ = jax.jit(sample)(logits, s, state)
-    tokens, token_lp, top_ids, top_lp = map(np.asarray, (tokens, token_lp, top_ids, top_lp))
+    (tokens, token_lp, ranks, top_ids, top_lp), _ = jax.jit(sample)(logits, s, state)
+    tokens, token_lp, ranks, top_ids, top_lp = map(np.asarray, (tokens, token_lp, ranks, top_ids, top_lp))
+    # vLLM's rank: how many raw logits are at least the sampled token's (row 5's bias is not in them)
+    np.testing.assert_array_equal(ranks, (logits >= logits[np.arange(rows), tokens][:, None]).sum(-1))
+    assert ranks[5] == k + 4 and (ranks[[0, 3]] == 1).all()
     ref = numpy_log_softmax(logits)
     order = np.argsort(-ref, axis=-1, kind="stable")[:, :k]
     assert top_ids.shape == top_lp.shape == (rows, k)
@@ -238,12 +241,12 @@ def test_top_logprobs_are_the_top_k_of_the_raw_log_softmax():
     assert tokens[5] == np.argsort(-logits[5])[k + 3]  # the bias decided the draw, not the reported logprobs
     np.testing.assert_array_equal(tokens[[0, 3]], logits[[0, 3]].argmax(-1))
 
-    (same_tokens, _, top_ids, top_lp), _ = jax.jit(sample)(logits, replace(s, want_top=np.zeros(rows, bool)), state)
+    (same_tokens, _, _, top_ids, top_lp), _ = jax.jit(sample)(logits, replace(s, want_top=np.zeros(rows, bool)), state)
     np.testing.assert_array_equal(np.asarray(same_tokens), tokens)
     assert (np.asarray(top_lp) == -np.inf).all() and (np.asarray(top_ids) == 0).all()
 
     small = logits[:, :7]  # fewer ids than MAX_LOGPROBS: the rest of each row is padding
-    (_, _, top_ids, top_lp), _ = jax.jit(sample)(small, s, empty_state(rows + 1, 7))
+    (_, _, _, top_ids, top_lp), _ = jax.jit(sample)(small, s, empty_state(rows + 1, 7))
     order = np.argsort(-numpy_log_softmax(small), axis=-1, kind="stable")
     np.testing.assert_array_equal(np.asarray(top_ids)[:, :7], order)
     assert (np.asarray(top_lp)[:, 7:] == -np.inf).all() and (np.asarray(top_ids)[:, 7:] == 0).all()
@@ -310,7 +313,7 @@ def test_logits_processing_matches_the_reference():
             expected = reference_processing(logits[row], prompt, output, b, stops, in_min, pres, freq, rep)
         np.testing.assert_allclose(got[row], expected, rtol=1e-5, atol=1e-5)
     # greedy sampling takes the argmax of the processed logits; logprobs stay those of the raw logits
-    (tokens, logprobs, _, _), _ = jax.jit(sample)(logits, sampling_input(rows, temperature=0.0, **{
+    (tokens, logprobs, _, _, _), _ = jax.jit(sample)(logits, sampling_input(rows, temperature=0.0, **{
         f: getattr(s, f) for f in ("penalty_row", "processed", "in_min_tokens", "presence_penalty",
                                    "frequency_penalty", "repetition_penalty")}), state)
     np.testing.assert_array_equal(np.asarray(tokens), got.argmax(-1))
@@ -328,7 +331,7 @@ def test_a_repetition_penalty_that_overflows_the_logits_draws_among_the_boosted_
     draws = set()
     for seed in range(16):
         s = sampling_input(1, processed=True, penalty_row=0, seed_lo=seed, repetition_penalty=penalty)
-        (tokens, _, _, _), _ = jax.jit(sample)(logits, s, state)
+        (tokens, _, _, _, _), _ = jax.jit(sample)(logits, s, state)
         draws.add(int(np.asarray(tokens)[0]))
     assert draws == {2, 3}
 
@@ -344,7 +347,7 @@ def test_the_largest_repetition_penalty_keeps_the_order_of_logits_it_can_and_nev
     for seed in range(32):
         s = sampling_input(2, processed=True, penalty_row=[0, 1], seed_lo=seed, temperature=0.5,
                            repetition_penalty=penalty)
-        (tokens, _, _, _), _ = jax.jit(sample)(logits, s, state)
+        (tokens, _, _, _, _), _ = jax.jit(sample)(logits, s, state)
         for row, token in enumerate(np.asarray(tokens).tolist()):
             draws[row].add(token)
     assert draws == [{0, 1, 2, 3}, {1}]

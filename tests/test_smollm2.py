@@ -12,9 +12,10 @@ import torch
 from llmjax.config import EngineConfig
 from llmjax.engine import LLMEngine
 from llmjax.models.loader import embedded_model_path, load_model
+from llmjax.outputs import Logprob
 from llmjax.sampling_params import SamplingParams
 from llmjax.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
-from tests.engine_helpers import drain
+from tests.engine_helpers import assert_logprob_ranks_and_texts, drain
 
 pytestmark = pytest.mark.slow
 
@@ -150,7 +151,7 @@ def test_token_bytes_concatenate_to_the_decoded_text(hf, ours):
     emoji = tokenizer.encode("🙂", add_special_tokens=False)
     assert len(emoji) == 2 and all("\ufffd" in tokenizer.token_to_text(t) for t in emoji)
     logprobs = p.chat_logprobs(tokenizer.token_to_text, tokenizer.token_bytes, emoji,
-                               [{t: -1.0} for t in emoji], 1).content
+                               [{t: Logprob(-1.0)} for t in emoji], 1).content
     assert bytes(logprobs[0].bytes + logprobs[1].bytes) == "🙂".encode()
     assert logprobs[0].top_logprobs[0].bytes == logprobs[0].bytes
     rng = np.random.default_rng(0)
@@ -291,10 +292,12 @@ def test_prompt_logprobs_match_transformers(hf, ours):
         for t in range(1, len(ids)):
             row, entry = expected[t - 1], entries[t]
             assert next(iter(entry)) == ids[t]
-            np.testing.assert_allclose([entry[i] for i in entry], row[list(entry)], atol=2e-3, rtol=0)
-            top = sorted(entry, key=entry.get, reverse=True)[:5]
+            np.testing.assert_allclose([entry[i].logprob for i in entry], row[list(entry)], atol=2e-3, rtol=0)
+            top = sorted(entry, key=lambda i: entry[i].logprob, reverse=True)[:5]
             fifth = np.sort(row)[-5]
             assert set(top) == set(np.argsort(-row)[:5].tolist()) or abs(row[top[-1]] - fifth) < 2e-3
+            assert_logprob_ranks_and_texts(engine, entry, row, 5, 2e-3)
+            assert [e.decoded_token for e in entry.values()] == [hf_tok.decode([i]) for i in entry]
 
 NEAR_TIE = 0.5  # float32 logit gap below which two tokens count as tied under bfloat16 rounding
 

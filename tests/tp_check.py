@@ -55,7 +55,7 @@ def prompt_logprob_error(engine, reference: np.ndarray) -> float:
     [out] = run_to_completion(engine, [prompt], dataclasses.replace(GREEDY, prompt_logprobs=2))
     entries = out.prompt_logprobs
     assert len(entries) == len(prompt), len(entries)
-    return max(abs(lp - reference[t - 1, i]) for t in range(1, len(prompt)) for i, lp in entries[t].items())
+    return max(abs(e.logprob - reference[t - 1, i]) for t in range(1, len(prompt)) for i, e in entries[t].items())
 
 
 def collectives(hlo: str) -> dict[str, int]:

@@ -22,6 +22,7 @@ from typing import Annotated, Any, ClassVar, Literal, Mapping, Sequence
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
+from llmjax.outputs import Logprob
 from llmjax.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 
 Prompt = str | list[int]
@@ -447,7 +448,7 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 
 # --- logprobs ---------------------------------------------------------------------------------------
-def completion_logprobs(token_text, token_ids: list[int], entries: list[dict[int, float] | None],
+def completion_logprobs(token_text, token_ids: list[int], entries: list[dict[int, Logprob] | None],
                         text_offset: int) -> tuple[CompletionLogprobs, int]:
     """Legacy-completions logprobs of `token_ids`; each entry maps the token, then the top `logprobs`
     ids, to their logprobs, and all of it is returned (OpenAI: "the logprob of the sampled token, so
@@ -458,27 +459,28 @@ def completion_logprobs(token_text, token_ids: list[int], entries: list[dict[int
     for token, entry in zip(token_ids, entries, strict=True):
         text = token_text(token)
         result.tokens.append(text)
-        result.token_logprobs.append(None if entry is None else entry[token])
-        result.top_logprobs.append(None if entry is None else {token_text(t): lp for t, lp in entry.items()})
+        result.token_logprobs.append(None if entry is None else entry[token].logprob)
+        result.top_logprobs.append(None if entry is None else {token_text(t): e.logprob for t, e in entry.items()})
         result.text_offset.append(text_offset)
         text_offset += len(text)
     return result, text_offset
 
 
-def chat_logprobs(token_text, token_bytes, token_ids: list[int], entries: list[dict[int, float]],
+def chat_logprobs(token_text, token_bytes, token_ids: list[int], entries: list[dict[int, Logprob]],
                   k: int) -> ChatLogprobs:
     """Chat-completions logprobs of `token_ids` with the top `k` alternatives of each; `token_text(id)`
     renders a token, `token_bytes(id)` gives its bytes (part of a character's, for a token that
     splits one)."""
 
-    def top_k(entry: dict[int, float]) -> list[tuple[int, float]]:  # the sampled token only if it ranks
-        return sorted(entry.items(), key=lambda item: -item[1])[:k]
+    def top_k(entry: dict[int, Logprob]) -> list[tuple[int, float]]:  # the sampled token only if it ranks
+        return sorted(((t, e.logprob) for t, e in entry.items()), key=lambda item: -item[1])[:k]
 
     def top(token: int, logprob: float) -> TopLogprob:
         return TopLogprob(token=token_text(token), logprob=logprob, bytes=list(token_bytes(token)))
 
     content = [
-        ChatTokenLogprob(**top(token, entry[token]).model_dump(), top_logprobs=[top(t, lp) for t, lp in top_k(entry)])
+        ChatTokenLogprob(**top(token, entry[token].logprob).model_dump(),
+                         top_logprobs=[top(t, lp) for t, lp in top_k(entry)])
         for token, entry in zip(token_ids, entries)
     ]
     return ChatLogprobs(content=content)
