@@ -25,7 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmjax.config import ConfigError
 from llmjax.serve.api import build_app
 from llmjax.serve.metrics import parse_metrics
-from llmjax.serve.server import bind_socket, is_loopback, resolve_api_key, serve_app
+from llmjax.serve import asgi
+from llmjax.serve.server import bind_socket, http_url, is_loopback, resolve_api_key, serve_app, start_listening
 from tests.engine_helpers import dense_logits, tiny_engine
 from tests.server_helpers import assert_no_leak, metrics, running_server, sse_events, wait_idle
 
@@ -246,6 +247,19 @@ def test_completion_errors(client, body, status, param, message):
     assert error["param"] == param and error["message"].startswith(message), error
     assert error["type"] and "code" in error
     assert complete(client, prompt="still fine", max_tokens=2)["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_not_sent_as_json_is_told_so(client, content_type):
+    """`curl -d` sends a form's Content-Type: the error says what the server needs, not that the
+    body is of the wrong type. A JSON media type with parameters is JSON all the same."""
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
+    headers = {} if content_type is None else {"content-type": content_type}
+    r = client.post("/v1/completions", content=body, headers=headers)
+    assert r.status_code == 400 and "must be JSON, sent with `Content-Type: application/json`" in \
+        r.json()["error"]["message"], r.text
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("body,status,param", [
@@ -971,6 +985,22 @@ def test_no_cors_by_default(client):
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
 
 
+def test_a_port_taken_while_the_server_started_is_an_error_not_a_server_that_never_listens():
+    """Linux lets two SO_REUSEADDR sockets bind one port while neither listens: the first to listen
+    wins, and the other must exit with an error rather than serve a socket that never listens."""
+    first = bind_socket("127.0.0.1", 0)
+    port = first.getsockname()[1]
+    second = bind_socket("127.0.0.1", port)
+    try:
+        start_listening(second, "127.0.0.1", port)
+        with pytest.raises(SystemExit, match="another server took the port while this one was starting"):
+            start_listening(first, "127.0.0.1", port)
+    finally:
+        first.close()
+        second.close()
+    assert (http_url("::1", 8000), http_url("127.0.0.1", 8000)) == ("http://[::1]:8000", "http://127.0.0.1:8000")
+
+
 def test_api_key_from_the_environment_and_loopback_hosts(monkeypatch):
     args = argparse.Namespace(api_key=None)
     monkeypatch.delenv("LLMJAX_API_KEY", raising=False)
@@ -978,6 +1008,13 @@ def test_api_key_from_the_environment_and_loopback_hosts(monkeypatch):
     monkeypatch.setenv("LLMJAX_API_KEY", "from-env")
     assert resolve_api_key(args) == "from-env"
     assert resolve_api_key(argparse.Namespace(api_key="flag")) == "flag"
+    for key in ("abc\n", " abc", "ab\tc", "clé"):  # a key file's newline; no client could send these
+        monkeypatch.setenv("LLMJAX_API_KEY", key)
+        with pytest.raises(SystemExit, match="LLMJAX_API_KEY has surrounding whitespace"):
+            resolve_api_key(args)
+        with pytest.raises(SystemExit, match="--api-key has surrounding whitespace"):
+            resolve_api_key(argparse.Namespace(api_key=key))
+    assert resolve_api_key(argparse.Namespace(api_key="a b~")) == "a b~"
     assert [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "10.1.2.3", "example.com")] == \
         [True, True, True, False, False, False]
 
@@ -1090,3 +1127,48 @@ def test_a_stream_interval_sends_several_tokens_per_event_with_their_logprobs_an
     assert joined == whole["logprobs"]  # tokens, logprobs, top logprobs and text offsets
     assert "".join(e["choices"][0]["text"] for e in events) == whole["text"]
     assert len(chat) == 1 + 4  # the role, then the same four events
+
+def test_a_stream_still_going_when_the_grace_period_ends_is_aborted_and_ends_cleanly(monkeypatch):
+    """Stopping lets open responses go on for the grace period (here 0.6 s); a stream still going
+    shortly before its end is aborted: a final chunk with finish reason "abort", then `data: [DONE]`,
+    instead of a connection cut by uvicorn's cancellation; the server exits with status 0."""
+    monkeypatch.setattr(asgi, "GRACEFUL_SHUTDOWN_S", 0.6)
+    engine = tiny_engine(kv_cache_memory_bytes=1 << 20, max_model_len=64)
+    step = engine.step
+
+    def slow_step():  # 50 tokens take 1.5 s, past the grace period
+        time.sleep(0.03)
+        return step()
+
+    engine.step = slow_step
+    app = build_app(engine, MODEL)
+    sock = bind_socket("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    status = []
+    thread = threading.Thread(target=lambda: status.append(serve_app(app, sock, "warning")))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 50, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 1:  # streaming: stop the server (how `serve_app` is told to)
+                        app.state.server.async_engine.on_dead()
+    finally:
+        app.state.server.async_engine.on_dead()
+        thread.join(60)
+    assert events[-1] == "data: [DONE]", events
+    reasons = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1]]
+    assert reasons[-1] == "abort" and len(reasons) < 50, reasons
+    assert status == [0]

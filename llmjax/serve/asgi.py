@@ -27,7 +27,7 @@ from llmjax.serve.protocol import error_body, validation_message
 log = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_S = 5.0  # on SIGTERM/SIGINT, how long open responses may go on (servers and router)
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
+          405: "invalid_request_error", 500: "internal_server_error",
           503: "service_unavailable"}
 
 
@@ -45,7 +45,13 @@ def error_response(status: int, message: str, param: str | None = None, code: in
                                          code), status_code=status)
 
 
-def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    content_type = request.headers.get("content-type", "")
+    media_type = content_type.split(";")[0].strip().lower()
+    if request.method == "POST" and media_type != "application/json" and not media_type.endswith("+json"):
+        # FastAPI reads no JSON from such a body: its error would be about the type of the body
+        return error_response(400, "the request body must be JSON, sent with `Content-Type: application/json` "
+                                   f"(got {content_type or 'no Content-Type'})")
     errors = exc.errors()
     for e in errors:
         if e["type"] == "json_invalid":

@@ -156,6 +156,11 @@ class AsyncEngine:
         Safe from any thread; does not wait."""
         self._commands.put(_Command(lambda: self._abort(request_id)))
 
+    def abort_all(self) -> None:
+        """Abort every request with a stream (a server shutting down whose grace period is ending), so
+        each stream ends with its final output. Safe from any thread; does not wait."""
+        self._commands.put(_Command(lambda: [self._abort(request_id) for request_id in list(self._streams)]))
+
     def open_stream(self) -> OutputStream:
         return OutputStream(self)
 

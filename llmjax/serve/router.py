@@ -595,13 +595,13 @@ def serve_router(urls: list[str], args: argparse.Namespace) -> None:
     `routing.add_router_args`, plus `--uvicorn-log-level` and `--timeout-keep-alive`)."""
     import uvicorn
 
-    from llmjax.serve.server import run_until_stopped, warn_if_exposed
+    from llmjax.serve.server import http_url, run_until_stopped, warn_if_exposed
 
     warn_if_exposed(args.host, "with a router that checks no API key: give the replicas --api-key (the router "
                                "relays Authorization); its /workers and /metrics, which name the replicas, are open")
     app = build_router_app(urls, routing.policy_from_args(args), args.health_check_interval,
                            args.health_check_timeout, args.health_failure_threshold, args.request_timeout)
-    print(f"routing ({args.policy}) over {len(urls)} workers at http://{args.host}:{args.port}/v1", flush=True)
+    print(f"routing ({args.policy}) over {len(urls)} workers at {http_url(args.host, args.port)}/v1", flush=True)
     run_until_stopped(uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)))

@@ -3,9 +3,10 @@
 Binds its address first (a port in use is an `error:` before the model loads), builds the engine
 from the engine flags (`llmjax/engine_args.py`) and the app (`build_app`), refuses to start when the
 KV pool cannot hold one `max_model_len` request, warms up, and serves with uvicorn on the bound
-socket until stopped. Stopped by SIGINT (Ctrl-C) or SIGTERM, it lets open responses end and exits
-with status 0; if the engine loop dies, the server shuts down and the process exits with status 1,
-so a supervisor (`llmjax cluster`, systemd, Kubernetes) restarts it.
+socket until stopped. Stopped by SIGINT (Ctrl-C) or SIGTERM, it lets open responses end (for up to
+`GRACEFUL_SHUTDOWN_S`, then aborts their requests, so each stream still ends with its final chunk and
+`data: [DONE]`) and exits with status 0; if the engine loop dies, the server shuts down and the
+process exits with status 1, so a supervisor (`llmjax cluster`, systemd, Kubernetes) restarts it.
 
 API key: `--api-key` or the `LLMJAX_API_KEY` environment variable; without one, binding an
 address other than loopback logs a warning.
@@ -14,8 +15,8 @@ address other than loopback logs a warning.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
-import logging
 import os
 import signal
 import threading
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     import uvicorn
     from fastapi import FastAPI
 
-log = logging.getLogger(__name__)
 KEEP_ALIVE_S = 5.0  # uvicorn's default, as vLLM serves
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -60,15 +60,26 @@ def add_keep_alive_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:
-    """`--api-key`, else the `LLMJAX_API_KEY` environment variable, else None (no key)."""
-    return args.api_key or os.environ.get("LLMJAX_API_KEY") or None
+    """`--api-key`, else the `LLMJAX_API_KEY` environment variable, else None (no key). SystemExit with
+    `error: ...` for a key no client could send in an `Authorization` header (surrounding whitespace,
+    such as a file's last newline; a character other than printable ASCII), which would lock every
+    client out."""
+    key = args.api_key or os.environ.get("LLMJAX_API_KEY") or None
+    source = "--api-key" if args.api_key else "LLMJAX_API_KEY"
+    if key is not None and (key != key.strip() or not all(" " <= c <= "~" for c in key)):
+        raise SystemExit(f"error: {source} has surrounding whitespace or a character other than printable ASCII: "
+                         "no client could send it in an Authorization header")
+    return key
+
+
+def http_url(host: str, port: int) -> str:
+    """The base URL of a server at `host`:`port` (an IPv6 address in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def warn_if_exposed(host: str, what: str) -> None:
-    """Warn on stderr (and in the log) that serving on `host`, an address other than loopback, is
-    `what`."""
+    """Warn on stderr that serving on `host`, an address other than loopback, is `what`."""
     if not is_loopback(host):
-        log.warning("serving on %s %s", host, what)
         print(f"warning: serving on {host} {what}", file=sys.stderr, flush=True)
 
 
@@ -99,6 +110,19 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def start_listening(sock: socket.socket, host: str, port: int) -> None:
+    """Make the bound `sock` listen, once the server is ready to accept. SystemExit with `error: ...` when
+    it cannot: another process bound the port with SO_REUSEADDR while this one was starting (Linux lets
+    two such sockets bind one port while neither listens; the first to listen wins, and uvicorn would
+    go on serving a socket that never listened)."""
+    try:
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {exc.strerror or exc} (another server "
+                         "took the port while this one was starting)") from None
+
+
 class _Terminated(Exception):
     """SIGTERM, once uvicorn has shut down on it."""
 
@@ -127,14 +151,28 @@ def serve_app(app: FastAPI, sock: socket.socket, log_level: str = "info",
               timeout_keep_alive: float = KEEP_ALIVE_S) -> int:
     """Serve an app of `build_app` on the bound `sock` (`bind_socket`; closed when it returns) until
     stopped: 0 when stopped (a signal, Ctrl-C), 1 when its engine loop died (the server then stops
-    at once, letting open responses end for up to GRACEFUL_SHUTDOWN_S)."""
+    at once). Stopping lets open responses end for up to GRACEFUL_SHUTDOWN_S; requests still going
+    then are aborted (their streams end with finish reason "abort")."""
     import uvicorn
 
     from llmjax.serve.asgi import GRACEFUL_SHUTDOWN_S
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                           timeout_keep_alive=timeout_keep_alive))
     async_engine = app.state.server.async_engine
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            """uvicorn's, which cancels the responses still open after the grace period (their clients
+            see a cut connection, the log a traceback each); shortly before that, their requests are
+            aborted instead, so each stream ends with finish reason "abort" and `data: [DONE]`."""
+            grace = self.config.timeout_graceful_shutdown
+            abort = asyncio.get_running_loop().call_later(grace - min(1.0, grace / 2), async_engine.abort_all)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                abort.cancel()
+
+    server = Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                                   timeout_keep_alive=timeout_keep_alive))
     async_engine.on_dead = lambda: setattr(server, "should_exit", True)  # uvicorn polls the flag
     try:
         run_until_stopped(server, sockets=[sock])
@@ -167,5 +205,6 @@ def run_server(args: argparse.Namespace) -> None:
     if args.warmup:
         engine.warmup()
     freeze_gc_heap()
-    print(f"serving {name!r} at http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
+    start_listening(sock, args.host, args.port)
+    print(f"serving {name!r} at {http_url(args.host, sock.getsockname()[1])}/v1", flush=True)
     sys.exit(serve_app(app, sock, args.uvicorn_log_level, args.timeout_keep_alive))
