@@ -19,6 +19,7 @@ import httpx
 import jax
 import numpy as np
 import openai
+import pydantic
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -247,6 +248,48 @@ def test_completion_errors(client, body, status, param, message):
     assert error["param"] == param and error["message"].startswith(message), error
     assert error["type"] and "code" in error
     assert complete(client, prompt="still fine", max_tokens=2)["choices"][0]["finish_reason"]
+
+
+class EchoBody(pydantic.BaseModel):
+    text: str
+
+
+def test_a_body_over_the_limit_is_refused_declared_or_chunked():
+    """`LimitRequestBody` (64 MiB on the server; 100 bytes here) refuses a declared Content-Length
+    over it before the body is read, and a chunked body once its bytes pass it; a body within it
+    reaches the route."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    app = FastAPI()
+
+    async def echo(body: EchoBody) -> dict:
+        return {"n": len(body.text)}
+
+    app.add_api_route("/echo", echo, methods=["POST"])
+    asgi.install_error_handlers(app)
+    app.add_middleware(asgi.LimitRequestBody, limit=100)
+    client = TestClient(app)
+    assert client.post("/echo", json={"text": "x" * 50}).json() == {"n": 50}
+    r = client.post("/echo", json={"text": "x" * 200})
+    assert r.status_code == 413 and r.json()["error"]["message"] == "the request body is larger than 100 bytes"
+
+    def chunks():
+        yield b'{"text": "'
+        for _ in range(20):
+            yield b"x" * 10
+        yield b'"}'
+
+    r = client.post("/echo", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413, r.text
+
+
+def test_the_server_refuses_a_declared_body_over_its_limit_unread(base_url):
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {asgi.MAX_REQUEST_BODY_BYTES + 1}\r\n\r\n".encode())  # and no body
+        assert conn.recv(4096).startswith(b"HTTP/1.1 413 ")
 
 
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
@@ -667,17 +710,20 @@ def test_continuous_usage_stats(client, path):
 def test_tokens_without_text_stream_a_chunk_each(client, path):
     """A token that adds no text (here the tiny tokenizer's BOS, forced by logit_bias) still gets its
     chunk, as in vLLM, so a client's TTFT and inter-token latency time tokens, and the continuous usage
-    counts every token."""
-    prompt = {"prompt": "The quick"} if path == "/v1/completions" else {
-        "messages": [{"role": "user", "content": "The quick"}]}
+    counts every token. (A stream that falls behind the engine merges tokens into one chunk: each
+    chunk's logprobs say how many tokens it carries.)"""
+    prompt = {"prompt": "The quick", "logprobs": 0} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "The quick"}], "logprobs": True}
     events = stream(client, path, **prompt, max_tokens=5, ignore_eos=True, logit_bias={"1": 100},
                     stream_options={"include_usage": True, "continuous_usage_stats": True})
     chunks = [e for e in events if e["choices"] and "role" not in e["choices"][0].get("delta", {})]
     texts = [c["choices"][0]["text"] if path == "/v1/completions" else c["choices"][0]["delta"].get("content")
              for c in chunks]
-    assert len(chunks) == 5 and not any(texts), texts
-    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4, 5]
-    assert events[-1]["usage"]["completion_tokens"] == 5
+    assert 1 <= len(chunks) <= 5 and not any(texts), texts
+    carried = [len(c["choices"][0]["logprobs"]["tokens" if path == "/v1/completions" else "content"])
+               for c in chunks]
+    assert all(carried) and [c["usage"]["completion_tokens"] for c in chunks] == list(np.cumsum(carried)), carried
+    assert sum(carried) == 5 and events[-1]["usage"]["completion_tokens"] == 5
 
 
 @pytest.mark.parametrize("method,path,content,status", [

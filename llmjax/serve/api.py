@@ -12,8 +12,9 @@ Endpoints: `/v1/completions`, `/v1/chat/completions` (both with `stream`), `/v1/
   fields included), malformed JSON, bad sampling values (`SamplingParamsError`) and prompts the
   engine refuses (`RequestError`: empty, too long; a text certainly beyond the context is refused
   before it is tokenized, `Tokenizer.min_num_tokens`); 401 without the API key (when one is set);
-  404 for an unknown model or route; 500 for an unexpected error; 503 when the engine loop is
-  dead. A refused request leaves nothing queued, so it never affects other requests.
+  404 for an unknown model or route; 413 for a body over `MAX_REQUEST_BODY_BYTES` (64 MiB); 500
+  for an unexpected error; 503 when the engine loop is dead. A refused request leaves nothing
+  queued, so it never affects other requests.
 - The app refuses to be built (`ConfigError`) when the KV pool cannot hold one `max_model_len`
   request, so `/v1/models` advertises a context length the pool can serve.
 - Streaming is server-sent events (`data: {json}\\n\\n`, ending `data: [DONE]\\n\\n`).
@@ -48,7 +49,8 @@ from llmjax.engine import LLMEngine, RequestError, prompt_too_long
 from llmjax.outputs import OutputAccumulator, RequestFailedError, RequestOutput
 from llmjax.sampling_params import SamplingParams, SamplingParamsError
 from llmjax.serve import protocol as p
-from llmjax.serve.asgi import RequireAPIKey, error_response, install_error_handlers, wait_for_disconnect
+from llmjax.serve.asgi import (LimitRequestBody, RequireAPIKey, error_response, install_error_handlers,
+                               wait_for_disconnect)
 from llmjax.serve.async_engine import AsyncEngine, EngineDeadError, OutputStream
 from llmjax.serve.metrics import ServerMetrics
 from llmjax.tokenizer import TextTooLong
@@ -419,6 +421,7 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
         app.add_exception_handler(bad_request, lambda _, exc: error_response(400, str(exc), exc.param))
     app.add_exception_handler(APIError, lambda _, exc: error_response(exc.status, str(exc), exc.param, exc.code))
     app.add_exception_handler(EngineDeadError, lambda _, exc: error_response(503, str(exc), code=503))
+    app.add_middleware(LimitRequestBody)  # inside the key check: a request without the key is never read
     if api_key:
         app.add_middleware(RequireAPIKey, api_key=api_key)
     if allowed_origins:  # outermost, so preflight requests never need the key
