@@ -5,8 +5,10 @@ framework itself refuses, the API-key check, and waiting for a client to disconn
   400 unparsable body: not UTF-8, malformed or too deeply nested JSON; request validation errors)
   and any unhandled exception (500, `CatchInternalErrors`) become `{"error": {"message", "type",
   "param", "code"}}`. A field the schema does not know is named in the message and in `param`.
-- `RequireAPIKey`: an ASGI middleware; with a key set, every path under `/v1/` needs
-  `Authorization: Bearer <key>` (401 otherwise). `/health`, `/metrics` and the rest stay open.
+- `RequireAPIKey`: an ASGI middleware; with a key set, every path under `/v1/` and `/debug/` needs
+  `Authorization: Bearer <key>` (401 otherwise). `/health`, `/metrics`, `/tokenize`, `/detokenize`
+  stay open, as in vLLM.
+- `LimitRequestBody`: a body over `MAX_REQUEST_BODY_BYTES` gets a 413.
 - `wait_for_disconnect(request)`: returns when the client has gone.
 """
 

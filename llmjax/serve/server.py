@@ -44,7 +44,8 @@ def add_serve_args(parser: argparse.ArgumentParser, address: bool = True) -> Non
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="compile the common step shapes before accepting requests")
     parser.add_argument("--api-key", type=non_empty, default=None,
-                        help="require `Authorization: Bearer KEY` on /v1/* (default: $LLMJAX_API_KEY, else none)")
+                        help="require `Authorization: Bearer KEY` on /v1/* and /debug/* (default: $LLMJAX_API_KEY, "
+                             "else none)")
     parser.add_argument("--allowed-origins", default="",
                         help="comma-separated origins allowed by CORS (default: none)")
     parser.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
