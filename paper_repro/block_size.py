@@ -331,7 +331,8 @@ def main() -> None:
     plot(latency, memory, hits, engine, out / "block_size.png")
     by_block = lambda table: {name: dict(zip(map(str, BLOCK_SIZES), row)) for name, row in table.items()}  # noqa: E731
     write_results(out, "block_size", report(latency, memory, hits, engine, args),
-                  {"memory": memory, "latency_over_seeds": by_block(latency), "hits": by_block(hits),
+                  {"memory": memory, "latency_over_seeds": by_block(latency), "near_best": NEAR_BEST,
+                   "hits": by_block(hits),
                    "engine": engine, "args": {k: v for k, v in vars(args).items() if k != "out"}})
     print(f"wrote {out / 'block_size.md'}, .json and .png")
 
