@@ -97,6 +97,21 @@ def prompt_too_long(exc: TextTooLong, max_model_len: int, param: str = "prompt")
                         "length of the prompt.", param)
 
 
+def check_fits_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """`RequestError` (vLLM's message) for a prompt that leaves no room to generate in `max_model_len`
+    tokens, or, with `max_tokens` given, a prompt plus `max_tokens` beyond it: the OpenAI server's
+    rule (the engine itself caps such a request at `max_model_len`, finish reason "length", as
+    vLLM's engine does)."""
+    wanted = num_prompt_tokens + (max_tokens or 1)
+    if num_prompt_tokens >= max_model_len or wanted > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested {wanted} "
+            f"tokens ({num_prompt_tokens} in the prompt, {max_tokens or 1} for the completion). "
+            "Please reduce the length of the prompt or max_tokens.",
+            "max_tokens" if num_prompt_tokens < max_model_len else "prompt",
+        )
+
+
 def _token_ids(prompt) -> list[int]:
     """A prompt given as token ids, as a list of ints: integers only (numpy's too), never a float, a
     string or a bool, which `int()` would quietly turn into ids."""
@@ -304,18 +319,11 @@ class LLMEngine:
             raise RequestError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}",
                                "logit_bias")
         max_len = self.config.max_model_len
-        wanted = len(ids) + (params.max_tokens or 1)
-        if len(ids) >= max_len or wanted > max_len:
-            raise RequestError(
-                f"This model's maximum context length is {max_len} tokens. However, you requested {wanted} "
-                f"tokens ({len(ids)} in the prompt, {params.max_tokens or 1} for the completion). "
-                "Please reduce the length of the prompt or max_tokens.",
-                "max_tokens" if len(ids) < max_len else "prompt",
-            )
-        # the most tokens it can reach: without max_tokens, max_model_len
-        longest = max_len if params.max_tokens is None else wanted
+        check_fits_context(len(ids), None, max_len)  # a longer request stops at max_model_len ("length")
+        # the most tokens it can reach: without max_tokens, or with more than fit, max_model_len
+        longest = min(max_len, len(ids) + (params.max_tokens or max_len))
         if self.kv.num_blocks_for(longest) > self.num_blocks - 1:
-            reach = "max_model_len, with max_tokens unset" if params.max_tokens is None else "its prompt and max_tokens"
+            reach = "its prompt and max_tokens" if longest < max_len else "max_model_len"
             raise RequestError(
                 f"the request can reach {longest} tokens ({reach}), which need {self.kv.num_blocks_for(longest)} "
                 f"KV blocks, but the pool holds only {self.num_blocks - 1}; lower max_tokens or raise the KV cache "

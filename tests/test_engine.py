@@ -245,16 +245,21 @@ def test_abort_frees_every_block():
 
 
 def test_too_long_request_is_refused_and_harms_nobody():
+    """A prompt that leaves no room in max_model_len (128) is refused; one whose max_tokens would pass
+    it stops there, finish reason "length" (vLLM's engine caps it; its OpenAI server refuses it, as
+    ours does: tests/test_server.py)."""
     engine = tiny_engine()
     good = engine.add_request(PROMPTS[0], GREEDY)
     with pytest.raises(RequestError, match="maximum context length is 128 tokens"):
-        engine.add_request(list(range(3, 120)), SamplingParams(max_tokens=20))
+        engine.add_request(list(range(3, 131)), SamplingParams(max_tokens=20))
+    capped = engine.add_request(list(range(3, 120)), SamplingParams(max_tokens=20, ignore_eos=True))
     with pytest.raises(RequestError, match="empty"):
         engine.add_request([], GREEDY)
     with pytest.raises(RequestError, match="token ids"):
         engine.add_request([100000], GREEDY)
-    [out] = drain(engine, [good])
+    out, capped_out = drain(engine, [good, capped])
     assert out.outputs[0].finish_reason == "length" and engine.kv.usage().used == 0
+    assert capped_out.outputs[0].finish_reason == "length" and len(capped_out.outputs[0].token_ids) == 128 - 117
 
 
 @pytest.mark.parametrize("prompt", [[5.7, 6.2], ["12"], [True, 5], {"prompt": "x"}, 7, [np.int64(5), 2.0]])
@@ -281,7 +286,7 @@ def test_a_request_that_can_outgrow_the_pool_is_refused():
     with pytest.raises(RequestError, match="can reach 85 tokens .its prompt and max_tokens.") as refused:
         engine.add_request([5] * 5, SamplingParams(max_tokens=80))
     assert refused.value.param == "max_tokens"
-    with pytest.raises(RequestError, match="can reach 128 tokens .max_model_len, with max_tokens unset."):
+    with pytest.raises(RequestError, match="can reach 128 tokens .max_model_len."):
         engine.add_request([5] * 5, SamplingParams(max_tokens=None, ignore_eos=True))
     [out] = drain(engine, [good])
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 80 - len(PROMPTS[0])
@@ -339,7 +344,7 @@ def test_max_model_len_beyond_the_models_context():
     with pytest.raises(ConfigError, match=r"max_num_batched_tokens \(95\) < max_model_len \(96\)"):
         LLMEngine(loaded, tokenizer, EngineConfig(**{**budget_96, "max_num_batched_tokens": 95}))
     with pytest.raises(RequestError, match="maximum context length is 96"):
-        engine.add_request([5] * 90, SamplingParams(max_tokens=10))
+        engine.add_request([5] * 96, SamplingParams(max_tokens=10))
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])

@@ -45,7 +45,7 @@ from pydantic import BaseModel
 
 from llmjax.attention.cache_dtype import value_dtype
 from llmjax.config import ConfigError
-from llmjax.engine import LLMEngine, RequestError, prompt_too_long
+from llmjax.engine import LLMEngine, RequestError, check_fits_context, prompt_too_long
 from llmjax.outputs import OutputAccumulator, RequestFailedError, RequestOutput
 from llmjax.sampling_params import SamplingParams, SamplingParamsError
 from llmjax.serve import protocol as p
@@ -167,7 +167,10 @@ class OpenAIServer:
         """Queue one engine request per prompt (token ids), all in one engine command; returns the
         stream and request id -> choice index. `arrival`: when the handler started (the request's
         latencies count its tokenizing). If any prompt is refused, none stays queued; if the handler
-        is cancelled meanwhile (the client left), they are aborted."""
+        is cancelled meanwhile (the client left), they are aborted. A prompt plus `max_tokens` beyond
+        `max_model_len` is refused here, as vLLM's OpenAI server does (the engine would cap it)."""
+        for ids in prompts:
+            check_fits_context(len(ids), params.max_tokens, self.max_model_len)
         stream = self.async_engine.open_stream()
         index = {f"{request_id}-{i}": i for i in range(len(prompts))}
         try:
