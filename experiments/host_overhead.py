@@ -114,7 +114,7 @@ def idle_device_step(max_num_seqs: int, vocab_size: int, micros: int):
         features = (waited[:, None] + jnp.arange(16)).astype(jnp.float32) % 2  # [S, 16]
         busy = features @ jnp.ones((16, 16), jnp.float32)  # >= 1000 FLOPs: dispatched asynchronously
         ids = (waited + 1 + (busy[:, 0] < 0).astype(jnp.int32)) % vocab_size  # busy >= 0: a +0 XLA cannot drop
-        packed = jnp.concatenate([ids[:, None], jnp.zeros((ids.shape[0], 1 + 2 * MAX_LOGPROBS), jnp.int32)], axis=1)
+        packed = jnp.concatenate([ids[:, None], jnp.zeros((ids.shape[0], 2 + 2 * MAX_LOGPROBS), jnp.int32)], axis=1)
         padded = jnp.zeros(max_num_seqs, jnp.int32).at[: ids.shape[0]].set(ids[:max_num_seqs])
         return padded, packed, cache, penalties, None
 

@@ -276,7 +276,7 @@ class ModelRunner:
         """Run the jitted step on `inputs` and the runner's cache and tables (which it replaces);
         counts compilations. `prompt_targets`: `[T]` int32 (see `SchedulerOutput.prompt_targets`,
         padded with -1) or None. Returns (tokens [max_num_seqs] on the device, packed results
-        [S, 2 + 2 * MAX_LOGPROBS] on the device, packed prompt logprobs [T, 1 + 2 * MAX_LOGPROBS] or None)."""
+        [S, 3 + 2 * MAX_LOGPROBS] on the device, packed prompt logprobs [T, 2 + 2 * MAX_LOGPROBS] or None)."""
         traces_before = self._traces[0]
         t0 = time.perf_counter()
         prev = self._no_tokens if prev_tokens is None else prev_tokens

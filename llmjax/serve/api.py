@@ -51,7 +51,7 @@ from llmjax.sampling_params import SamplingParams, SamplingParamsError
 from llmjax.serve import protocol as p
 from llmjax.serve.asgi import (LimitRequestBody, RequireAPIKey, error_response, install_error_handlers,
                                wait_for_disconnect)
-from llmjax.serve.async_engine import AsyncEngine, EngineDeadError, OutputStream
+from llmjax.serve.async_engine import AsyncEngine, EngineDeadError, OutputStream, ShuttingDownError
 from llmjax.serve.metrics import ServerMetrics
 from llmjax.tokenizer import TextTooLong
 
@@ -182,12 +182,15 @@ class OpenAIServer:
 
     async def _final_outputs(self, raw: Request, stream: OutputStream) -> dict[str, RequestOutput] | None:
         """Each request's whole output (accumulated from the engine's deltas), or None when the client
-        disconnected first (then aborted). Raises `RequestFailedError` when the engine failed one."""
+        disconnected first (then aborted). Raises `RequestFailedError` when the engine failed one, and
+        `ShuttingDownError` (503) when a shutting-down server aborted one (a partial answer is no answer)."""
 
         async def collect() -> dict[str, RequestOutput]:
             whole = OutputAccumulator()
             async for out in stream:
                 _raise_if_failed(out)
+                if self.async_engine.stopping and any(c.finish_reason == "abort" for c in out.outputs):
+                    raise ShuttingDownError("the server shut down before the request finished")
                 whole.add(out)
             return whole.outputs
 

@@ -48,13 +48,14 @@ def error_response(status: int, message: str, param: str | None = None, code: in
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
     content_type = request.headers.get("content-type", "")
     media_type = content_type.split(";")[0].strip().lower()
-    if request.method == "POST" and media_type != "application/json" and not media_type.endswith("+json"):
-        # FastAPI reads no JSON from such a body: its error would be about the type of the body
+    if media_type != "application/json" and not media_type.endswith("+json") and \
+            any(tuple(e["loc"]) == ("body",) for e in errors):
+        # FastAPI read no JSON from such a body: its error would be about the type of the whole body
         return error_response(400, "the request body must be JSON, sent with `Content-Type: application/json` "
                                    f"(got {content_type or 'no Content-Type'})")
-    errors = exc.errors()
     for e in errors:
         if e["type"] == "json_invalid":
             return error_response(400, f"malformed JSON: {e.get('ctx', {}).get('error', e['msg'])}")

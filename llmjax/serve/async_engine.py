@@ -56,6 +56,11 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped after an error; no request can be served."""
 
 
+class ShuttingDownError(EngineDeadError):
+    """The server is shutting down: a request that came too late, or a non-streamed one cut short
+    (a 503, which a router re-sends elsewhere, not a 200 with partial text)."""
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's gauges and counters (prefix-cache counts are in tokens)."""
@@ -106,6 +111,7 @@ class AsyncEngine:
         self.step_timeout_s = step_timeout_s
         self.stats = EngineStats()
         self.error: BaseException | None = None  # set when the loop died
+        self.stopping = False  # set by `abort_all`: no new request is taken
         self.step_started: float | None = None  # monotonic start of the step in progress (heartbeat)
         self.num_engine_errors = 0  # loop thread only
         self._commands: queue.Queue[_Command | None] = queue.Queue()
@@ -137,6 +143,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
 
         def add(engine: LLMEngine) -> None:
+            if self.stopping:
+                raise ShuttingDownError("the server is shutting down")
             added = []
             try:
                 for request_id, prompt in prompts.items():
@@ -158,7 +166,9 @@ class AsyncEngine:
 
     def abort_all(self) -> None:
         """Abort every request with a stream (a server shutting down whose grace period is ending), so
-        each stream ends with its final output. Safe from any thread; does not wait."""
+        each stream ends with its final output, and take no new request (`stopping`: `add` raises
+        `ShuttingDownError`). Safe from any thread; does not wait."""
+        self.stopping = True
         self._commands.put(_Command(lambda: [self._abort(request_id) for request_id in list(self._streams)]))
 
     def open_stream(self) -> OutputStream:

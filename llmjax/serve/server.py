@@ -153,7 +153,8 @@ def serve_app(app: FastAPI, sock: socket.socket, log_level: str = "info",
     """Serve an app of `build_app` on the bound `sock` (`bind_socket`; closed when it returns) until
     stopped: 0 when stopped (a signal, Ctrl-C), 1 when its engine loop died (the server then stops
     at once). Stopping lets open responses end for up to GRACEFUL_SHUTDOWN_S; requests still going
-    then are aborted (their streams end with finish reason "abort")."""
+    shortly before then are aborted (their streams end with finish reason "abort"; a non-streamed
+    one gets a 503)."""
     import uvicorn
 
     from llmjax.serve.asgi import GRACEFUL_SHUTDOWN_S
@@ -163,10 +164,11 @@ def serve_app(app: FastAPI, sock: socket.socket, log_level: str = "info",
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
             """uvicorn's, which cancels the responses still open after the grace period (their clients
-            see a cut connection, the log a traceback each); shortly before that, their requests are
-            aborted instead, so each stream ends with finish reason "abort" and `data: [DONE]`."""
+            see a cut connection, the log a traceback each); before that (2 s before, time for a slow
+            step to end), their requests are aborted instead: each stream ends with finish reason
+            "abort" and `data: [DONE]`, a non-streamed request gets a 503 (`ShuttingDownError`)."""
             grace = self.config.timeout_graceful_shutdown
-            abort = asyncio.get_running_loop().call_later(grace - min(1.0, grace / 2), async_engine.abort_all)
+            abort = asyncio.get_running_loop().call_later(grace - min(2.0, grace / 2), async_engine.abort_all)
             try:
                 await super().shutdown(sockets)
             finally:
