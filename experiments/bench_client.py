@@ -40,15 +40,30 @@ CLIENTS = ("httpx", "aiohttp")
 
 
 async def httpx_stream(client: httpx.AsyncClient, payload: dict) -> RequestResult:
-    """`stream_completion` on httpx: the same request, parsing and timing, its errors aside."""
+    """`stream_completion` on httpx: the same request, parsing, timing and rules for a failed one."""
     payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
     result, start = RequestResult(), time.perf_counter()
-    async with client.stream("POST", "/v1/completions", json=payload) as response:
-        async for line in response.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                result.add_event(json.loads(line[6:]), start)
+    try:
+        async with client.stream("POST", "/v1/completions", json=payload) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}"
+                return result
+            async for line in response.aiter_lines():
+                if line.startswith("data: [DONE]"):
+                    break
+                if not line.startswith("data: "):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = str(chunk["error"])
+                    return result
+                result.add_event(chunk, start)
+    except Exception as exc:  # a broken stream or a malformed event: this request only
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
     result.latency = time.perf_counter() - start
-    result.ok = result.last_event is not None and response.status_code == 200
+    result.ok = result.last_event is not None and result.usage_seen
+    result.error = "" if result.ok else "no output" if result.last_event is None else "no usage in the stream"
     return result
 
 

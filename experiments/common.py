@@ -39,6 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `python experiments/x.py` finds llmjax and paper_repro
 
+from llmjax.cli_types import non_negative_int, positive_int  # noqa: E402
 from llmjax.config import PRESETS, EngineConfig  # noqa: E402
 from llmjax.kv.manager import KVCacheManager  # noqa: E402
 from llmjax.provenance import results_dir, write_results  # noqa: E402
@@ -343,22 +344,20 @@ def add_stream_args(ap: argparse.ArgumentParser, num_prompts: int, quick_help: s
     in flight (`stream_server_args` sizes the server for them), and `--quick` (see `parse_stream_args`)."""
     ap.add_argument("--quick", action="store_true", help=f"smoke run: {quick_help}; written to build/results-quick/")
     ap.add_argument("--model", default="tiny-gqa")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--num-prompts", type=int, default=num_prompts)
-    ap.add_argument("--concurrency", type=int, default=256)
-    ap.add_argument("--input-len", type=int, default=16)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--num-prompts", type=positive_int, default=num_prompts)
+    ap.add_argument("--concurrency", type=positive_int, default=256)
+    ap.add_argument("--input-len", type=positive_int, default=16)
+    ap.add_argument("--output-len", type=positive_int, default=128)
+    ap.add_argument("--seed", type=non_negative_int, default=0)
 
 
 def parse_stream_args(ap: argparse.ArgumentParser, quick: dict) -> argparse.Namespace:
     """Parse the flags of `add_stream_args` (and the script's own); with `--quick`, `quick`'s values
-    replace theirs. SystemExit unless there is at least one round."""
+    replace theirs."""
     args = ap.parse_args()
     if args.quick:
         vars(args).update(quick)
-    if args.rounds < 1:
-        raise SystemExit("--rounds must be at least 1")
     return args
 
 

@@ -50,6 +50,7 @@ import httpx
 from tqdm import tqdm
 
 from llmjax.bench import percentiles, stream_completion, stream_session
+from llmjax.cli_types import non_negative_int, positive_int, positive_seconds
 from llmjax.provenance import results_dir, write_results
 from llmjax.serve.cluster import replica_pids
 from llmjax.serve.metrics import parse_metrics
@@ -125,15 +126,19 @@ class LoadClient:
     def _valid_body(self) -> dict:
         return {"model": MODEL_NAME, "max_tokens": self.rng.randint(1, 40), "temperature": 0, "ignore_eos": True}
 
-    def _fail(self, kind: str, message: str, started: bool = False) -> None:
-        """A valid request failed; one whose stream had started counts apart (the kill may end it)."""
-        self.stats["interrupted" if started else "failures"].append(f"{kind}: {message}")
+    def _fail(self, kind: str, message: str, cut: bool = False) -> None:
+        """A valid request failed. `cut`: its stream had started and then broke; once a replica has
+        been killed, such a failure counts apart (the router cannot retry a stream that started).
+        Any other failure, a whole answer that is wrong included, counts as one."""
+        excused = cut and self.stats["killed"]
+        self.stats["interrupted" if excused else "failures"].append(f"{kind}: {message}")
 
     async def _check_stream(self, kind: str, body: dict) -> None:
         result = await stream_completion(self.session, body)
-        if not result.ok or result.output_tokens != body["max_tokens"]:
-            message = result.error or f"{result.output_tokens} tokens, wanted {body['max_tokens']}"
-            return self._fail(kind, message, started=bool(result.text))
+        if not result.ok:
+            return self._fail(kind, result.error, cut=bool(result.text))
+        if result.output_tokens != body["max_tokens"]:
+            return self._fail(kind, f"{result.output_tokens} tokens, wanted {body['max_tokens']}")
         self.stats["ttft"].append(result.ttft)
         self.stats["e2e"].append(result.latency)
 
@@ -181,7 +186,7 @@ class LoadClient:
     async def valid_chat_stream(self) -> None:
         body = self._valid_body() | {"messages": [{"role": "user", "content": self._prompt()}], "stream": True,
                                      "stream_options": {"include_usage": True}}
-        start, usage, done, started = time.perf_counter(), None, False, False
+        start, usage, done, started, error = time.perf_counter(), None, False, False, None
         async with self.client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
                 return self._fail("chat", f"HTTP {r.status_code}")
@@ -189,10 +194,16 @@ class LoadClient:
                 if line == "data: [DONE]":
                     done = True
                 elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        error = chunk["error"]
+                        break
                     started = True
-                    usage = json.loads(line[6:]).get("usage") or usage
-        if not done or usage is None or usage["completion_tokens"] != body["max_tokens"]:
-            return self._fail("chat", f"done={done} usage={usage}", started)
+                    usage = chunk.get("usage") or usage
+        if error is not None or not done:
+            return self._fail("chat", f"stream broke: {error or 'no [DONE]'}", cut=started)
+        if usage is None or usage["completion_tokens"] != body["max_tokens"]:
+            return self._fail("chat", f"usage {usage}, wanted {body['max_tokens']} tokens")
         self.stats["e2e"].append(time.perf_counter() - start)
 
     async def poison(self) -> None:
@@ -241,12 +252,15 @@ class LoadClient:
             except httpx.HTTPError as exc:
                 if kind != self.abandoned:
                     self._fail(kind.__name__, f"{type(exc).__name__}: {exc}")
+            except (ValueError, KeyError, TypeError, IndexError) as exc:  # an answer of another shape
+                self._fail(kind.__name__, f"malformed answer ({type(exc).__name__}: {exc})")
             self.stats["requests"][kind.__name__] += 1
 
 
 async def drive(url: str, clients: int, duration: float, seed: int, max_model_len: int, desc: str,
                 kill_after: float | None = None, kill=None) -> dict:
-    stats = {"requests": Counter(), "failures": [], "interrupted": [], "bad_errors": [], "ttft": [], "e2e": []}
+    stats = {"requests": Counter(), "failures": [], "interrupted": [], "bad_errors": [], "ttft": [], "e2e": [],
+             "killed": False}
     # A connection per request, as `llmjax bench` opens them: a pooled one that the router closes as
     # idle while a client reuses it would fail a valid request with a ReadError.
     limits = httpx.Limits(max_connections=clients * 2, max_keepalive_connections=0)
@@ -264,7 +278,7 @@ async def drive(url: str, clients: int, duration: float, seed: int, max_model_le
                 bar.set_postfix(requests=sum(stats["requests"].values()), failed=len(stats["failures"]))
                 if not killed and time.monotonic() - start >= kill_after:
                     kill()
-                    killed = True
+                    killed = stats["killed"] = True
         await asyncio.gather(*workers)
     return stats
 
@@ -360,12 +374,12 @@ def report(args, stats: dict, states: list[dict], health: dict, restarted: bool,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny-gqa")
-    parser.add_argument("--duration", type=float, default=45.0, help="seconds of measured load")
-    parser.add_argument("--clients", type=int, default=64)
-    parser.add_argument("--warmup-load", type=float, default=10.0, help="seconds of unmeasured load first")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--restart-timeout", type=float, default=120.0,
+    parser.add_argument("--duration", type=positive_seconds, default=45.0, help="seconds of measured load")
+    parser.add_argument("--clients", type=positive_int, default=64)
+    parser.add_argument("--warmup-load", type=positive_seconds, default=10.0, help="seconds of unmeasured load first")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--startup-timeout", type=positive_seconds, default=600.0)
+    parser.add_argument("--restart-timeout", type=positive_seconds, default=120.0,
                         help="seconds to wait after the run for the killed replica to be back")
     parser.add_argument("server_args", nargs="*", help="flags for the replicas (after --); default: tiny settings")
     args = parser.parse_args()

@@ -32,20 +32,22 @@ from llmjax.bench import add_bench_args, run_bench
 PATHS = ("direct", "router")
 
 
-def bench(url: str, args: argparse.Namespace, num_prompts: int, output_len: int) -> dict:
+def bench(url: str, args: argparse.Namespace, num_prompts: int, output_len: int, seed: int) -> dict:
+    """`llmjax bench`'s random workload from `seed` (each run its own prompts: none finds another's in the
+    replica's prefix cache)."""
     parser = argparse.ArgumentParser()
     add_bench_args(parser)
     summary = run_bench(parser.parse_args([
         "--base-url", url, "--num-prompts", str(num_prompts), "--random-input-len", str(args.input_len),
-        "--random-output-len", str(output_len), "--max-concurrency", str(args.concurrency), "--seed", str(args.seed)]))
+        "--random-output-len", str(output_len), "--max-concurrency", str(args.concurrency), "--seed", str(seed)]))
     if summary["failed"]:
         raise SystemExit(f"{url}: {summary['failed']} requests failed: {summary['errors']}")
     return summary
 
 
-def run_one(path: str, urls: dict[str, str], router_pid: int, args: argparse.Namespace) -> dict:
+def run_one(path: str, urls: dict[str, str], router_pid: int, args: argparse.Namespace, seed: int) -> dict:
     before = cpu_seconds(router_pid)
-    summary = bench(urls[path], args, args.num_prompts, args.output_len)
+    summary = bench(urls[path], args, args.num_prompts, args.output_len, seed)
     router_cpu = cpu_seconds(router_pid) - before
     return {"path": path, "tok_s": summary["output_throughput"], "ttft_p50_ms": summary["ttft_ms"]["p50"],
             "tpot_p50_ms": summary["tpot_ms"]["p50"],
@@ -65,10 +67,10 @@ def main() -> None:
     with tempfile.NamedTemporaryFile("w", prefix="router-overhead-", suffix=".log", delete=False) as log, \
             server_process(cmd, urls["router"], log) as router:
         print(f"warm-up through the router (cluster log: {log.name})", flush=True)
-        bench(urls["router"], args, min(args.concurrency, 64), 8)
+        bench(urls["router"], args, min(args.concurrency, 64), 8, args.seed)
         for round_, path in alternating(PATHS, args.rounds):
             print(f"round {round_ + 1}/{args.rounds}: {path}", flush=True)
-            runs.append(run_one(path, urls, router.pid, args))
+            runs.append(run_one(path, urls, router.pid, args, args.seed + 1 + len(runs)))
     rows = medians_by(runs, "path", PATHS, ("tok_s", "ttft_p50_ms", "tpot_p50_ms", "router_us_per_token"))
     direct, routed = rows
     for row in rows:

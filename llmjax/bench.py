@@ -22,11 +22,17 @@ lengths are cut to fit `max_model_len` (its output to at most half of it); the r
 were (`capped_requests`).
 
 Reports TTFT, TPOT (per output token after the first), ITL (between streamed chunks) and
-end-to-end latency (to `data: [DONE]`) (mean, p50, p90, p99, in ms), request and token throughput
-over the run (the first request sent to the last one finished), streamed chunks
-(SSE events) per request (fewer than its tokens with `--stream-interval` above 1), and goodput
-(requests per second meeting every `--goodput` SLO, e.g. `--goodput ttft:500 tpot:50`).
-Prints a table (and the distinct errors of failed requests); `--result-file` writes the same as JSON.
+end-to-end latency (mean, p50, p90, p99, in ms), request and token throughput over the run (the
+first request sent to the last one finished), streamed chunks (SSE events) per request (fewer than
+its tokens with `--stream-interval` above 1), and goodput (requests per second meeting every
+`--goodput` SLO, e.g. `--goodput ttft:500 tpot:50`). Token counts are the server's (its usage chunk;
+a stream without one fails), not the text re-tokenized. A request's end is the end of its stream
+(`data: [DONE]`, or the body's end); vLLM's client ends its latency at the last chunk with text, and
+llmjax's server sends the usage chunk and `[DONE]` right after that one, with no engine step between.
+A request fails alone (its error listed) when its stream breaks or is malformed, or when it takes
+more than `--request-timeout` seconds (vLLM's 6 h by default). Prints a table (and the distinct
+errors of failed requests); `--result-file` writes the same as JSON, with the run's settings and
+`llmjax.provenance` (an infinite request rate as "inf", as vLLM writes it).
 `BenchError` when the server cannot be used (unreachable, no model card with a `max_model_len` at
 `/v1/models`, a `/detokenize` or `/tokenize` that gives no answer); the command line then exits with `error: ...`, as it
 does when every request failed. `--api-key` (default `$OPENAI_API_KEY`) is sent with every request.
@@ -54,11 +60,31 @@ import numpy as np
 from tqdm import tqdm
 
 from llmjax.cli_types import (UsageError, fraction, non_empty, non_negative_int, positive_int,
-                              positive_number, server_url)
+                              positive_number, positive_seconds, server_url)
+from llmjax.provenance import provenance
 from llmjax.sampling_params import SamplingParams, SamplingParamsError
 from llmjax.workloads import SHAREGPT, lognormal_lengths
 
 SLO_NAMES = ("ttft", "tpot", "e2el")
+VLLM_REQUEST_TIMEOUT = 6 * 3600.0  # seconds: `vllm bench serve`'s limit on one request
+RANDOM_LENGTHS = ("random", "prefix", "multiturn")  # the datasets whose lengths --random-*-len draw
+# The flags only some datasets read: name -> (flag, default, those datasets). Their parser default is
+# None, so that one given with another dataset, where it would have no effect, is an error naming it.
+DATASET_FLAGS = {
+    "random_input_len": ("--random-input-len", 1024, RANDOM_LENGTHS),
+    "random_output_len": ("--random-output-len", 128, RANDOM_LENGTHS),
+    "random_range_ratio": ("--random-range-ratio", 0.0, RANDOM_LENGTHS),
+    "prefix_groups": ("--prefix-groups", 4, ("prefix",)),
+    "prefix_len": ("--prefix-len", 512, ("prefix",)),
+    "turns": ("--turns", 4, ("multiturn",)),
+    "prompt_format": ("--prompt-format", "ids", ("random", "sharegpt", "prefix")),  # multiturn sends text
+}
+
+
+def with_dataset_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """A copy of `args` whose `DATASET_FLAGS` not given take their defaults."""
+    return argparse.Namespace(**{**vars(args), **{name: default for name, (_, default, _) in DATASET_FLAGS.items()
+                                                  if getattr(args, name) is None}})
 
 
 class BenchError(Exception):
@@ -133,6 +159,12 @@ async def stream_completion(session: aiohttp.ClientSession, payload: dict) -> Re
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON or a chunk of another shape
         result.error = f"malformed stream event ({type(exc).__name__}: {exc})"
         return result
+    except TimeoutError:  # the session's limit on a whole request (a read timeout is a ClientError above)
+        result.error = "timed out: the request took longer than its timeout"
+        return result
+    except Exception as exc:  # anything else (a line over the read limit): this request only
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
     result.latency = time.perf_counter() - start
     result.ok = result.last_event is not None and result.usage_seen
     result.error = "" if result.ok else "no output" if result.last_event is None else "no usage in the stream"
@@ -144,17 +176,18 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def stream_session(base_url: str, read_timeout: float | None = None,
-                   api_key: str | None = None) -> aiohttp.ClientSession:
-    """A session for `stream_completion`: no limit on connections or on a request's duration (a
-    wait for the next bytes longer than `read_timeout` seconds fails the request), a connection per
-    request (reusing one the server is about to close as idle, uvicorn's 5 s keep-alive, fails the
-    request, which a client that lags behind its 256 streams runs into after a wave of requests that
-    finish in the same step). Lines up to 1 MiB (a chunk with logprobs or an echoed prompt). With
-    `api_key`, every request carries it."""
-    return aiohttp.ClientSession(base_url, timeout=aiohttp.ClientTimeout(total=None, sock_read=read_timeout),
-                                 connector=aiohttp.TCPConnector(limit=0, force_close=True), read_bufsize=1 << 20,
-                                 headers=auth_headers(api_key))
+def stream_session(base_url: str, read_timeout: float | None = None, api_key: str | None = None,
+                   request_timeout: float | None = None) -> aiohttp.ClientSession:
+    """A session for `stream_completion`: no limit on connections, a connection per request (reusing
+    one the server is about to close as idle, uvicorn's 5 s keep-alive, fails the request, which a
+    client that lags behind its 256 streams runs into after a wave of requests that finish in the
+    same step). A request that takes longer than `request_timeout` seconds in all, or waits longer
+    than `read_timeout` for its next bytes, fails (None: no limit). Lines up to 2 MiB (twice the
+    1 MiB read buffer: a chunk with logprobs or an echoed prompt); a longer one fails its request.
+    With `api_key`, every request carries it."""
+    timeout = aiohttp.ClientTimeout(total=request_timeout, sock_read=read_timeout)
+    return aiohttp.ClientSession(base_url, timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                 read_bufsize=1 << 20, headers=auth_headers(api_key))
 
 
 def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]:
@@ -174,7 +207,7 @@ class Workload:
     """Builds the list of jobs (one request, or one conversation) from the arguments."""
 
     def __init__(self, args: argparse.Namespace, max_model_len: int, to_text: Callable[[list[int]], str]):
-        self.args = args
+        self.args = with_dataset_defaults(args)
         self.max_len = max_model_len
         self.rng = np.random.default_rng(args.seed)
         self.to_text = to_text  # `text_prompter`'s
@@ -393,7 +426,7 @@ def text_prompter(base_url: str, api_key: str | None) -> Callable[[list[int]], s
 
 async def _bench(args: argparse.Namespace) -> dict:
     slos = dict(args.goodput)
-    async with stream_session(args.base_url, api_key=args.api_key) as session:
+    async with stream_session(args.base_url, api_key=args.api_key, request_timeout=args.request_timeout) as session:
         card = await model_card(session, args.base_url)
         args.model = args.model or card["id"]
         max_model_len = card.get("max_model_len")
@@ -411,9 +444,27 @@ async def _bench(args: argparse.Namespace) -> dict:
     summary["capped_requests"] = workload.capped
     if args.dataset == "multiturn":
         summary["unsent_turns"] = workload.unsent_turns
-    summary.update(dataset=args.dataset, request_rate=args.request_rate, max_concurrency=args.max_concurrency,
-                   model=args.model)
+    summary["settings"] = settings(workload.args)
     return summary
+
+
+def settings(args: argparse.Namespace) -> dict:
+    """The run's settings as the result file records them (the API key left out)."""
+    names = ("base_url", "model", "dataset", "num_prompts", *DATASET_FLAGS, "token_range", "temperature",
+             "request_rate", "max_concurrency", "request_timeout", "seed")
+    return {name: getattr(args, name) for name in names} | {"goodput": dict(args.goodput)}
+
+
+def _json_number(value):
+    """`json.dump`'s `default` is not asked about floats: infinity goes out as "inf" (vLLM's result
+    files write an infinite request rate so) by this walk instead of as JSON's invalid `Infinity`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_number(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_number(v) for v in value]
+    return value
 
 
 def run_bench(args: argparse.Namespace) -> dict:
@@ -423,7 +474,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     print(format_table(summary))
     if args.result_file:
         with open(args.result_file, "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump(_json_number({**summary, "provenance": provenance()}), f, indent=2, allow_nan=False)
     return summary
 
 
@@ -436,30 +487,43 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", choices=["random", "sharegpt", "prefix", "multiturn"], default="random")
     parser.add_argument("--num-prompts", type=positive_int, default=100,
                         help="requests, or conversations for multiturn")
-    parser.add_argument("--random-input-len", type=positive_int, default=1024)
-    parser.add_argument("--random-output-len", type=positive_int, default=128)
-    parser.add_argument("--random-range-ratio", type=fraction, default=0.0,
-                        help="lengths are uniform in len * [1 - r, 1 + r], r in [0, 1]")
-    parser.add_argument("--prefix-groups", type=positive_int, default=4)
-    parser.add_argument("--prefix-len", type=non_negative_int, default=512)
-    parser.add_argument("--turns", type=positive_int, default=4)
+
+    def dataset_flag(name: str, text: str, **kwargs) -> None:
+        flag, default, datasets = DATASET_FLAGS[name]
+        parser.add_argument(flag, default=None, help=f"{text} (default {default}; {', '.join(datasets)} only)",
+                            **kwargs)
+
+    dataset_flag("random_input_len", "mean prompt length (prefix: after the shared prefix)", type=positive_int)
+    dataset_flag("random_output_len", "mean output length", type=positive_int)
+    dataset_flag("random_range_ratio", "lengths are uniform in len * [1 - r, 1 + r], r in [0, 1]", type=fraction)
+    dataset_flag("prefix_groups", "groups of requests sharing a prefix", type=positive_int)
+    dataset_flag("prefix_len", "tokens of each group's shared prefix", type=non_negative_int)
+    dataset_flag("turns", "turns per conversation", type=positive_int)
+    dataset_flag("prompt_format", "prompts as token ids or as text", choices=["ids", "text"])
     parser.add_argument("--token-range", type=non_negative_int, nargs=2, default=[3, 98], metavar=("LO", "HI"),
                         help="random prompt token ids are drawn from [LO, HI)")
-    parser.add_argument("--prompt-format", choices=["ids", "text"], default="ids")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--request-rate", type=positive_number, default=math.inf,
                         help="Poisson arrivals per second (default: inf, every request at once)")
     parser.add_argument("--max-concurrency", type=positive_int, default=None)
-    parser.add_argument("--goodput", type=parse_slo, nargs="*", default=[], metavar="SLO:MS",
+    parser.add_argument("--goodput", type=parse_slo, nargs="+", default=[], metavar="SLO:MS",
                         help="e.g. ttft:500 tpot:50 e2el:5000")
-    parser.add_argument("--result-file", type=non_empty, default=None)
+    parser.add_argument("--request-timeout", type=positive_seconds, default=VLLM_REQUEST_TIMEOUT,
+                        help="seconds one request may take in all before it fails (default %(default)g, vLLM's)")
+    parser.add_argument("--result-file", type=non_empty, default=None,
+                        help="write the summary, the settings and where the run came from as JSON")
     parser.add_argument("--seed", type=non_negative_int, default=0)
 
 
 def check_bench_args(args: argparse.Namespace) -> None:
-    """UsageError for a `--temperature` the server would refuse (the engine's own check), an empty
+    """UsageError for a dataset's flag given with another dataset (`DATASET_FLAGS`: it would have no
+    effect), a `--temperature` the server would refuse (the engine's own check), an empty
     `--token-range`, an SLO given twice, or a `--result-file` that could not be written (checked
     before the run, not after it)."""
+    for name, (flag, _, datasets) in DATASET_FLAGS.items():
+        if getattr(args, name) is not None and args.dataset not in datasets:
+            raise UsageError(f"{flag} has no effect with --dataset {args.dataset}: it applies to "
+                             f"{', '.join(datasets)}")
     try:
         SamplingParams(temperature=args.temperature)
     except SamplingParamsError as exc:

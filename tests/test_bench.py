@@ -145,6 +145,14 @@ def test_goodput_counts_the_requests_within_every_slo():
     (["--token-range", "50", "10"], "--token-range 50 10: LO must be below HI"),
     (["--token-range", "7", "7"], "--token-range 7 7: LO must be below HI"),
     (["--goodput", "ttft:abc"], "argument --goodput: expected NAME:MS"),
+    (["--goodput"], "argument --goodput: expected at least one argument"),
+    (["--prefix-len", "8"], "--prefix-len has no effect with --dataset random: it applies to prefix"),
+    (["--dataset", "multiturn", "--prefix-groups", "2"], "--prefix-groups has no effect with --dataset multiturn"),
+    (["--turns", "2"], "--turns has no effect with --dataset random: it applies to multiturn"),
+    (["--dataset", "sharegpt", "--random-input-len", "8"],
+     "--random-input-len has no effect with --dataset sharegpt: it applies to random, prefix, multiturn"),
+    (["--dataset", "sharegpt", "--random-range-ratio", "0.5"], "--random-range-ratio has no effect"),
+    (["--dataset", "multiturn", "--prompt-format", "ids"], "--prompt-format has no effect with --dataset multiturn"),
     (["--goodput", "ttft:100", "ttft:200"], "--goodput gives an SLO twice"),
     (["--base-url", "127.0.0.1:8000"], "argument --base-url: expected a URL like"),
     (["--base-url", "http://127.0.0.1:8000/v1"], "argument --base-url: expected the server's root URL"),
@@ -193,14 +201,37 @@ def test_a_malformed_stream_fails_that_request_alone():
         [TEXT, USAGE, DONE, sse({"error": {"message": "late"}}), DONE],       # after [DONE]: not read
         [sse({"choices": "none"}), DONE],                                     # no completion chunk
         [TEXT, DONE],                                                         # no usage
+        [sse({"choices": [{"index": 0, "text": "x" * (3 << 20)}]}), USAGE, DONE],  # a line over 2 MiB
     ]
     with running_server(scripted_server(streams)) as url:
-        summary = bench(url, "--num-prompts", "6", "--random-input-len", "4", "--random-output-len", "2",
+        summary = bench(url, "--num-prompts", "7", "--random-input-len", "4", "--random-output-len", "2",
                         "--max-concurrency", "1")
-    assert (summary["completed"], summary["failed"]) == (3, 3)
+    assert (summary["completed"], summary["failed"]) == (3, 4)
     assert summary["total_output_tokens"] == 6
-    assert sorted(e.split(" (")[0] for e in summary["errors"]) == [
-        "malformed stream event", "malformed stream event", "no usage in the stream"]
+    assert sorted(e.split(" (")[0].split(":")[0] for e in summary["errors"]) == [
+        "LineTooLong", "malformed stream event", "malformed stream event", "no usage in the stream"]
+
+
+def test_a_request_past_its_timeout_fails_alone():
+    """`--request-timeout` bounds a request in all: a stream that stalls after its first event fails,
+    the next request (a whole stream) succeeds."""
+    async def stalled():
+        yield TEXT
+        await asyncio.sleep(30)
+
+    app, calls = FastAPI(), itertools.count()
+    app.add_api_route("/v1/models", lambda: {"object": "list", "data": [{"id": "scripted", "max_model_len": 64}]})
+
+    async def completions():
+        body = stalled() if next(calls) == 0 else iter([TEXT, USAGE, DONE])
+        return StreamingResponse(body, media_type="text/event-stream")
+
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    with running_server(app) as url:
+        summary = bench(url, "--num-prompts", "2", "--random-input-len", "4", "--random-output-len", "2",
+                        "--max-concurrency", "1", "--request-timeout", "0.5")
+    assert (summary["completed"], summary["failed"]) == (1, 1)
+    assert summary["errors"] == ["timed out: the request took longer than its timeout"]
 
 
 def test_arrivals_wait_only_between_requests(monkeypatch):
@@ -289,7 +320,12 @@ def test_a_run_where_every_request_failed_exits_with_an_error(base_url, tmp_path
               "--random-input-len", "4", "--random-output-len", "2", "--result-file", str(result)])
     assert exit_info.value.code == "error: all 3 requests failed"
     assert "failed: HTTP 404" in capsys.readouterr().out  # the table and the errors come first
-    assert json.loads(result.read_text())["failed"] == 3
+    written = json.loads(result.read_text(), parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    assert written["failed"] == 3
+    settings = written["settings"]
+    assert settings["request_rate"] == "inf" and settings["num_prompts"] == 3 and settings["random_input_len"] == 4
+    assert settings["prefix_len"] == 512 and settings["model"] == "no-such-model"  # a default, and the flag
+    assert "api_key" not in settings and written["provenance"]["commit"]
 
 
 def test_each_request_cut_to_fit_counts_once():
