@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from llmjax.serve import asgi
 from llmjax.serve.api import build_app
 from llmjax.serve.cluster import replica_pids
 from llmjax.serve.metrics import parse_metrics
@@ -123,15 +125,23 @@ class StubWorker:
     """A worker without a model: `/health` and `/v1/completions` answer 200, or an error when told."""
 
     def __init__(self, name: str):
-        self.healthy = self.serving = True
+        self.healthy: bool | str = True  # or "garbled": a 502 whose body is no text
+        self.serving = True
+        self.completions = 0  # requests that reached `/v1/completions`
         self.fail_with: int | None = None  # answer completions with this error status
         self.retry_after: str | None = None  # the Retry-After of its 503s
         self.name = name
         self.app = FastAPI()
-        self.app.add_api_route("/health", lambda: Response(status_code=200 if self.healthy else 503))
+        self.app.add_api_route("/health", self.health)
         self.app.add_api_route("/v1/completions", self.complete, methods=["POST"])
 
+    def health(self):
+        if self.healthy == "garbled":
+            return Response(b"\xff\xfe not UTF-8", status_code=502, media_type="text/plain; charset=utf-8")
+        return Response(status_code=200 if self.healthy else 503)
+
     def complete(self):
+        self.completions += 1
         if not self.serving:
             headers = {"retry-after": self.retry_after} if self.retry_after else None
             return JSONResponse(self.overloaded_body(), status_code=503, headers=headers)
@@ -172,6 +182,10 @@ def test_health_checks_take_a_worker_out_and_bring_it_back():
         b.healthy = True
         wait_for(lambda: up() == {url_a: True, url_b: True})
         assert served(4) == {"a", "b"}
+        b.healthy = "garbled"  # any answer is a failed check; the checks go on
+        wait_for(lambda: up() == {url_a: True, url_b: False})
+        b.healthy = True
+        wait_for(lambda: up() == {url_a: True, url_b: True})
 
         a.healthy = b.healthy = False
         wait_for(lambda: not any(up().values()))
@@ -215,7 +229,7 @@ def test_a_retried_request_is_one_decision_and_only_the_serving_worker_keeps_its
         assert m["llmjax:router_decisions_total"] == len(prompts)
         for prompt in prompts:
             assert policy.tree(url_b).match(routing_key(prompt)) == 0
-            assert policy.tree(url_a).match(routing_key(prompt)) == len(prompt)
+            assert policy.tree(url_a).match(routing_key(prompt)) == len(routing_key(prompt))
         b.serving = True  # the family's next request follows the worker that served it
         r = httpx.post(f"{router}/v1/completions", json={"prompt": prompts[0] + "?"}, timeout=TIMEOUT)
         assert r.json()["choices"][0]["text"] == "a"
@@ -235,7 +249,7 @@ def test_a_prompt_a_worker_refused_leaves_no_prefix_in_its_tree():
         a.fail_with = None
         assert httpx.post(f"{router}/v1/completions", json={"prompt": "served system prompt"},
                           timeout=TIMEOUT).json()["choices"][0]["text"] == "a"
-        assert policy.tree(url_a).match(routing_key("served system prompt")) == len("served system prompt")
+        assert policy.tree(url_a).match(routing_key("served system prompt")) == len(routing_key("served system prompt"))
         assert metrics(router)["llmjax:router_decisions_total"] == 2
 
 
@@ -383,6 +397,20 @@ def test_a_conversations_next_turn_follows_the_worker_that_holds_its_answer(stre
     assert (a.served, b.served) in ((2, 0), (0, 2))
 
 
+def test_the_router_refuses_a_declared_body_over_the_replicas_limit_unread():
+    """The replicas' 413 limit holds at the router too, before it buffers and parses the body: the
+    worker sees nothing."""
+    a = StubWorker("a")
+    with running_server(a.app) as url, running_server(build_router_app([url], RoundRobin(), 3600)) as router:
+        host, port = router.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {asgi.MAX_REQUEST_BODY_BYTES + 1}\r\n\r\n".encode())  # and no body
+            assert conn.recv(4096).startswith(b"HTTP/1.1 413 ")
+        assert a.completions == 0
+        assert complete_stub(router) == "a" and a.completions == 1
+
+
 def test_end_to_end_headers_are_relayed_both_ways():
     """The client's `Authorization` (a worker's `--api-key`) and `x-request-id` reach the worker; the
     worker's own response headers reach the client; hop-by-hop ones stay on their connection."""
@@ -390,15 +418,22 @@ def test_end_to_end_headers_are_relayed_both_ways():
     worker = FastAPI()
 
     async def complete(request: Request):
-        seen.update(request.headers, query=request.url.query)
-        return JSONResponse({"choices": [{"text": "ok"}]}, status_code=429, headers={"retry-after": "7"})
+        seen.update(request.headers, query=request.url.query, cookies=request.headers.getlist("cookie"))
+        response = JSONResponse({"choices": [{"text": "ok"}]}, status_code=429, headers={"retry-after": "7"})
+        response.raw_headers += [(b"set-cookie", b"a=1"), (b"set-cookie", b"b=2"), (b"x-bytes", b"caf\xe9")]
+        return response
 
     worker.add_api_route("/v1/completions", complete, methods=["POST"])
     worker.add_api_route("/health", lambda: Response(status_code=200))
     with running_server(worker) as url, running_server(build_router_app([url], RoundRobin(), 3600)) as router:
         r = httpx.post(f"{router}/v1/completions?api-version=1&x=%20y", json={"prompt": "x"}, timeout=TIMEOUT,
-                       headers={"Authorization": "Bearer K", "x-request-id": "r-1", "Connection": "keep-alive"})
+                       headers=[("Authorization", "Bearer K"), ("x-request-id", "r-1"), ("Connection", "keep-alive"),
+                                ("Accept-Encoding", "gzip"), ("Cookie", "c=1"), ("Cookie", "d=2")])
     assert r.status_code == 429 and r.headers["retry-after"] == "7" and r.headers["x-llmjax-worker"] == url
+    assert r.headers.get_list("set-cookie") == ["a=1", "b=2"]  # a repeated header as often as it came
+    assert (b"x-bytes", b"caf\xe9") in r.headers.raw and r.headers["x-llmjax-worker"] == url  # its bytes as sent
+    assert seen["cookies"] == ["c=1", "d=2"]
+    assert seen["accept-encoding"] == "identity"  # the router reads what it relays: nothing compressed
     assert seen["authorization"] == "Bearer K" and seen["x-request-id"] == "r-1"
     assert seen["query"] == "api-version=1&x=%20y"  # the query string as the client sent it
     assert seen["content-type"] == "application/json" and seen["host"] != httpx.URL(router).netloc.decode()

@@ -166,28 +166,28 @@ def test_unrelated_texts_of_one_tenant_spread_like_untenanted_ones():
 
 def test_cache_miss_goes_to_the_least_loaded_worker_then_the_smaller_tree():
     policy = CacheAware()
-    policy.tree("w0").insert(SYSTEM_A)
+    policy.tree("w0").insert(routing_key(SYSTEM_A))
     assert policy.select(SYSTEM_B, {"w0": 3, "w1": 5, "w2": 1}) == Decision("w2", "cache_miss")
     policy = CacheAware()
-    policy.tree("w0").insert("abcdefgh")
-    policy.tree("w1").insert("xyz")
+    policy.tree("w0").insert(routing_key("abcdefgh"))
+    policy.tree("w1").insert(routing_key("xyz"))
     assert policy.select("something else", {"w0": 0, "w1": 0}) == Decision("w1", "cache_miss")
 
 
 def test_imbalance_overrides_the_cache_match():
     policy = CacheAware(balance_abs_threshold=32, balance_rel_threshold=1.0001)
-    policy.tree("w0").insert(SYSTEM_A)
+    policy.tree("w0").insert(routing_key(SYSTEM_A))
     d = policy.select(SYSTEM_A + "q", {"w0": 40, "w1": 7})  # 33 apart, 40 > 7.0007
     assert (d.worker, d.reason) == ("w1", "imbalanced")
-    assert policy.tree("w1").match(SYSTEM_A + "q") == len(SYSTEM_A + "q")  # the tree still learns it
+    assert policy.tree("w1").match(routing_key(SYSTEM_A + "q")) == len(routing_key(SYSTEM_A + "q"))  # it learns it
     policy = CacheAware(balance_abs_threshold=32, balance_rel_threshold=1.0001)
-    policy.tree("w0").insert(SYSTEM_A)
+    policy.tree("w0").insert(routing_key(SYSTEM_A))
     assert policy.select(SYSTEM_A + "q", {"w0": 40, "w1": 8}) == Decision("w0", "cache_hit")  # 32 apart
 
 
 def test_relative_threshold_also_has_to_be_exceeded():
     policy = CacheAware(balance_abs_threshold=32, balance_rel_threshold=2.0)
-    policy.tree("w0").insert(SYSTEM_A)
+    policy.tree("w0").insert(routing_key(SYSTEM_A))
     assert policy.select(SYSTEM_A, {"w0": 100, "w1": 60}).reason == "cache_hit"  # 100 <= 2 * 60
     assert policy.select(SYSTEM_A, {"w0": 130, "w1": 60}).reason == "imbalanced"
 
@@ -197,7 +197,7 @@ def test_evicted_prefixes_no_longer_attract_requests():
     assert policy.select(SYSTEM_A + "q0", {"w0": 0, "w1": 0}).worker == "w0"
     policy.select(SYSTEM_B + "q0", {"w0": 0})  # only w0 is a candidate
     policy.select(SYSTEM_B + "q1", {"w0": 0})  # the tree is past its bound: A, the oldest, goes
-    assert policy.tree("w0").match(SYSTEM_A) == 0
+    assert policy.tree("w0").match(routing_key(SYSTEM_A)) == len(routing_key(""))  # the untenanted keys' prefix
     d = policy.select(SYSTEM_A + "q1", {"w0": 2, "w1": 1})
     assert (d.worker, d.reason) == ("w1", "cache_miss")
 
@@ -211,12 +211,26 @@ def test_tenants_do_not_pull_each_others_traffic():
     assert b.reason == "cache_miss" and b.worker != a.worker
     loads[b.worker] += 5  # even when the tenant's own worker is busier, same-tenant text sticks to it
     assert policy.select(SYSTEM_A + "more", loads, tenant="tenant-b") == Decision(b.worker, "cache_hit")
-    assert routing_key("text") == "text"
+
+
+@pytest.mark.parametrize("stored, stored_tenant, text, tenant", [
+    (SYSTEM_A, "acme", "acme\x00" + SYSTEM_A, None),     # no tenant, a text that spells acme's key
+    ("abc\x00" + SYSTEM_A, None, SYSTEM_A, "abc"),        # a tenant, the key of a text of none
+    (SYSTEM_A, "t\x00X", "X\x00" + SYSTEM_A, "t"),        # a text that completes another tenant's name
+    (SYSTEM_A, "t\x00", "\x00" + SYSTEM_A, "t"),
+])
+def test_no_text_matches_into_another_tenants_keys(stored, stored_tenant, text, tenant):
+    """NULs in a text or a tenant never make a request match another tenant's keys (with the tenant
+    and a NUL before the text, each of these spelled the stored key exactly)."""
+    policy = CacheAware()
+    policy.tree("w0").insert(routing_key(stored, stored_tenant))
+    assert policy.select(text, {"w0": 1, "w1": 0}, tenant) == Decision("w1", "cache_miss")
+    assert policy.select(stored, {"w0": 1, "w1": 0}, stored_tenant) == Decision("w0", "cache_hit")
 
 
 def test_forget_drops_a_workers_tree():
     policy = CacheAware()
-    policy.tree("w0").insert(SYSTEM_A)
+    policy.tree("w0").insert(routing_key(SYSTEM_A))
     policy.forget("w0")
     assert policy.select(SYSTEM_A, {"w0": 1, "w1": 0}) == Decision("w1", "cache_miss")
 
@@ -228,7 +242,7 @@ def test_a_retracted_decision_leaves_the_key_only_with_the_worker_that_served_it
     failed = policy.select(SYSTEM_A + "q0", {"w0": 0, "w1": 0})
     assert failed == Decision("w0", "cache_miss")
     policy.retract(failed)
-    assert policy.tree("w0").match(SYSTEM_A) == 0 and policy.tree("w0").num_chars == 0
+    assert policy.tree("w0").match(routing_key(SYSTEM_A)) == 0 and policy.tree("w0").num_chars == 0
     assert policy.select(SYSTEM_A + "q0", {"w1": 0}) == Decision("w1", "cache_miss")  # the retry, w0 excluded
     assert policy.select(SYSTEM_A + "q1", {"w0": 0, "w1": 0}) == Decision("w1", "cache_hit")
 
@@ -237,9 +251,10 @@ def test_retracting_after_forget_leaves_the_new_tree_alone():
     policy = CacheAware()
     d = policy.select(SYSTEM_A, {"w0": 0})
     policy.forget("w0")
-    policy.tree("w0").insert(SYSTEM_B)
+    policy.tree("w0").insert(routing_key(SYSTEM_B))
     policy.retract(d)
-    assert policy.tree("w0").match(SYSTEM_B) == len(SYSTEM_B) and policy.tree("w0").num_chars == len(SYSTEM_B)
+    key = routing_key(SYSTEM_B)
+    assert policy.tree("w0").match(key) == len(key) and policy.tree("w0").num_chars == len(key)
 
 
 def test_request_timeout_flag():

@@ -72,12 +72,14 @@ from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 from fastapi import FastAPI, Request
+from multidict import CIMultiDict
+from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from llmjax.serve import routing
-from llmjax.serve.asgi import GRACEFUL_SHUTDOWN_S, install_error_handlers, wait_for_disconnect
+from llmjax.serve.asgi import GRACEFUL_SHUTDOWN_S, LimitRequestBody, install_error_handlers, wait_for_disconnect
 from llmjax.serve.protocol import error_body
 
 log = logging.getLogger(__name__)
@@ -203,15 +205,18 @@ _NOT_RELAYED = frozenset({"connection", "keep-alive", "proxy-authenticate", "pro
                           "accept-encoding"})
 
 
-def _relayed(headers) -> dict[str, str]:
-    """The end-to-end headers of a request or response (the client's `Authorization`, `Origin`,
-    `x-request-id`; the worker's `retry-after`, CORS headers, ...)."""
-    return {k: v for k, v in headers.items() if k.lower() not in _NOT_RELAYED}
+def _relayed(headers) -> list[tuple[str, str]]:
+    """The end-to-end headers of a client's request (`Authorization`, `Origin`, `x-request-id`, ...),
+    a repeated one as often as it came."""
+    return [(k, v) for k, v in headers.items() if k.lower() not in _NOT_RELAYED]
 
 
-def _response_headers(upstream: aiohttp.ClientResponse, worker_url: str) -> dict[str, str]:
-    """The headers a worker's response is relayed with: its end-to-end ones and `x-llmjax-worker`."""
-    return {**_relayed(upstream.headers), "x-llmjax-worker": worker_url}
+def _with_worker_headers(response: Response, upstream: aiohttp.ClientResponse, worker_url: str) -> Response:
+    """`response` with the end-to-end headers of the worker's (`retry-after`, CORS headers, ...;
+    their bytes as sent, a repeated one as often as it came) and `x-llmjax-worker`."""
+    response.raw_headers += [(k, v) for k, v in upstream.raw_headers if k.decode("latin-1").lower() not in _NOT_RELAYED]
+    response.raw_headers.append((b"x-llmjax-worker", worker_url.encode()))
+    return response
 
 
 class _Relay(StreamingResponse):
@@ -232,8 +237,8 @@ class _Relay(StreamingResponse):
 
     def __init__(self, upstream: aiohttp.ClientResponse, first: bytes, rest: AsyncIterator[bytes], worker_url: str,
                  on_close: Callable[[], None]):
-        super().__init__(self._chunks(first, rest), status_code=upstream.status,
-                         headers=_response_headers(upstream, worker_url))
+        super().__init__(self._chunks(first, rest), status_code=upstream.status)
+        _with_worker_headers(self, upstream, worker_url)
         self.upstream, self.worker_url, self.on_close = upstream, worker_url, on_close
         self.sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
         self.on_body: Callable[[bytes], None] | None = None
@@ -372,7 +377,10 @@ class Router:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_check_interval)
-            await self.check_all()
+            try:
+                await self.check_all()
+            except Exception:  # `_check` catches a worker's failures: this is the router's own bug
+                log.exception("health check failed; checking again in %g s", self.health_check_interval)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(w) for w in self.workers.values()))
@@ -381,8 +389,11 @@ class Router:
         try:
             async with self.session.get(f"{worker.url}/health",
                                         timeout=aiohttp.ClientTimeout(total=self.health_check_timeout)) as r:
-                problem = "" if r.status == 200 else f"/health {r.status}: {(await r.text())[:200]}"
+                problem = "" if r.status == 200 else \
+                    f"/health {r.status}: {(await r.read())[:200].decode('utf-8', 'replace')}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            problem = f"/health failed: {exc!r}"
+        except Exception as exc:  # whatever a worker answers, it is a failed check, never the loop's end
             problem = f"/health failed: {exc!r}"
         if not problem:
             if not worker.up:
@@ -412,7 +423,10 @@ class Router:
         the others in turn while they fail before the first byte. A routed request counts one
         decision, its last one; every decision whose worker did not serve it, or answered it with
         an error status, is retracted."""
-        body = await request.body()
+        try:
+            body = await request.body()
+        except ClientDisconnect:  # the client left while sending its body: nothing to relay
+            return Response(status_code=499)
         text, tenant, payload = _routing_input(path, body) if routed else ("", None, None)
         tried: set[str] = set()
         decision: routing.Decision | None = None
@@ -489,7 +503,9 @@ class Router:
         response, or None when the client left first. Nothing relayed yet: `_WorkerFailed` when
         the worker cannot be reached, drops the connection or answers 503, `_WorkerTimedOut` when
         it sends nothing for `request_timeout` seconds."""
-        headers = {"content-type": "application/json", **_relayed(request.headers)}
+        # identity: the router reads the bodies it relays (SSE events, answers to remember)
+        headers = CIMultiDict([*_relayed(request.headers), ("accept-encoding", "identity")])
+        headers.setdefault("content-type", "application/json")
         target = f"{path}?{request.url.query}" if request.url.query else path  # the query string as sent
         opening = asyncio.ensure_future(self._first_byte(request.method, worker.url, target, body, headers))
         watch = asyncio.ensure_future(wait_for_disconnect(request))
@@ -505,13 +521,13 @@ class Router:
                 opening.cancel()
                 await asyncio.wait({opening})  # it closes its response
 
-    async def _first_byte(self, method: str, worker_url: str, path: str, body: bytes, headers: dict[str, str]):
+    async def _first_byte(self, method: str, worker_url: str, path: str, body: bytes, headers: CIMultiDict):
         """(response, its first chunk, the rest); on any failure the response is let go."""
         upstream: aiohttp.ClientResponse | None = None
         try:
             upstream = await self.session.request(method, worker_url + path, data=body, headers=headers)
             if upstream.status == 503:
-                answer = Response(await upstream.read(), 503, _response_headers(upstream, worker_url))
+                answer = _with_worker_headers(Response(await upstream.read(), 503), upstream, worker_url)
                 raise _WorkerFailed(f"{path} 503: {answer.body[:200]!r}", down=False, answer=answer)
             rest = upstream.content.iter_any()
             return upstream, await anext(rest, b""), rest
@@ -577,6 +593,7 @@ def build_router_app(urls: list[str], policy: routing.RoutingPolicy, health_chec
     app.add_api_route("/metrics", router.metrics_text, methods=["GET"])
     app.add_api_route("/workers", router.worker_list, methods=["GET"])
     install_error_handlers(app)
+    app.add_middleware(LimitRequestBody)  # the replicas' limit, checked before the router buffers a body
     return app
 
 

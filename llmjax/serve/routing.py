@@ -53,9 +53,11 @@ POLICIES = ("cache_aware", "round_robin", "least_load")
 
 
 def routing_key(text: str, tenant: str | None = None) -> str:
-    """The key `CacheAware` stores a request under: the tenant (`cache_salt`) and a NUL first, so
-    one tenant's text never matches another's, then the request's text."""
-    return f"{tenant}\x00{text}" if tenant else text
+    """The key `CacheAware` stores a request under: a prefix naming its tenant (`cache_salt`), then
+    the request's text. The prefix is `len:tenant` and a NUL for a tenant, a NUL alone for none:
+    no prefix is the start of another (a length says where its tenant ends, and a digit is no NUL),
+    so no text, NULs and all, matches past its own prefix into another tenant's keys."""
+    return f"{len(tenant)}:{tenant}\x00{text}" if tenant else f"\x00{text}"
 
 
 class _Node:
