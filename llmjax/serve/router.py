@@ -7,7 +7,8 @@
   shape count as "" (a body that is no JSON at all: no text, no tenant) and the request is
   relayed all the same: the worker's own answer (a 400) reaches the client. The worker's response
   is relayed as it arrives, chunk by chunk (an SSE stream event by event), with its status code
-  and content type; the header `x-llmjax-worker` names the worker.
+  and headers; the header `x-llmjax-worker` names the worker. Workers are asked for uncompressed
+  bodies (the router reads them). A body over the replicas' limit (64 MiB) gets a 413 unread.
 - `/v1/models`, `/v1/models/{model}`, `/tokenize`, `/detokenize`: relayed to the least-loaded healthy worker, and so are
   CORS preflights (`OPTIONS`) of every relayed path: the workers' `--allowed-origins` answers them,
   as it answers them without the router.
