@@ -278,9 +278,10 @@ class SilentWorker:
 
     def __init__(self):
         self.hang: str | None = None
+        self.healthy = True
         self.disconnected = threading.Event()
         self.app = FastAPI()
-        self.app.add_api_route("/health", lambda: Response(status_code=200))
+        self.app.add_api_route("/health", lambda: Response(status_code=200 if self.healthy else 503))
         self.app.add_api_route("/v1/completions", self.complete, methods=["POST"])
 
     async def complete(self, request: Request):
@@ -330,6 +331,27 @@ def test_a_stream_that_goes_silent_ends_with_an_error_event():
         assert json.loads(events[1])["error"]["code"] == 504 and events[2] == "[DONE]"
         assert worker.disconnected.wait(TIMEOUT)
         wait_for(lambda: httpx.get(f"{router}/workers", timeout=TIMEOUT).json()[0]["in_flight"] == 0)
+
+
+def test_a_stream_of_a_worker_marked_down_ends_once_silent():
+    """A worker that froze mid-stream (silent, failing its health checks): once it is marked down, its
+    stream ends with an error event after `health_check_timeout` seconds of silence, not after the
+    30-minute `request_timeout`."""
+    worker = SilentWorker()
+    worker.hang = "stream"
+    with running_server(worker.app) as url, running_server(build_router_app(
+            [url], RoundRobin(), 0.05, health_check_timeout=0.5, health_failure_threshold=1)) as router:
+        with httpx.stream("POST", f"{router}/v1/completions", json={"prompt": "x", "stream": True},
+                          timeout=TIMEOUT) as r:
+            lines = r.iter_lines()
+            assert next(lines).encode() == FIRST_EVENT[:-2]
+            worker.healthy = False
+            start = time.monotonic()
+            events = [line[6:] for line in lines if line]
+        assert time.monotonic() - start < 10
+        assert len(events) == 2 and json.loads(events[0])["error"]["code"] == 502 and events[1] == "[DONE]", events
+        assert "marked down and silent" in json.loads(events[0])["error"]["message"]
+        assert worker.disconnected.wait(TIMEOUT)
 
 
 def test_the_request_timeout_must_be_positive():

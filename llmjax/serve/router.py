@@ -30,7 +30,11 @@
   its load released; before the first byte of the body the client gets a 504 (the request is not
   retried: the worker may still be computing, and a retry would double the wait), later the
   relay ends as for a failure (an SSE stream with an error event of code 504 and `[DONE]`).
-  sglang-router's `--request-timeout-secs` bounds the whole request instead.
+  sglang-router's `--request-timeout-secs` bounds the whole request instead. Once a worker is
+  marked down (below), a body it is relaying that then gets nothing for `health_check_timeout`
+  seconds ends as for a failure (a frozen worker's streams end then, not after the timeout); a
+  request still waiting for its first byte keeps `request_timeout` (a non-streamed one is silent
+  until its completion is whole, and a busy worker may still finish it).
 - One client request is one routing decision in the statistics: the decision of its last
   attempt (the worker that served it, or the last one tried). The policy's record of a decision
   (`cache_aware`: the key in the worker's tree) is retracted when that worker does not serve the
@@ -188,6 +192,10 @@ class _WorkerTimedOut(Exception):
     """The worker sent nothing for `request_timeout` seconds before the first byte of its body."""
 
 
+class _WorkerWentDown(aiohttp.ClientConnectionError):
+    """Set on a relayed body whose worker was marked down and then stayed silent (`_Relay`)."""
+
+
 def _attempt_error(exc: BaseException, what: str) -> Exception | None:
     """What an exception raised while waiting for a worker's first byte means: `_WorkerTimedOut`,
     `_WorkerFailed`, or None when it is no worker's failure (cancelled: re-raise it as it is)."""
@@ -237,10 +245,11 @@ class _Relay(StreamingResponse):
     the end (not for a body cut short, or longer than `MAX_REMEMBERED_BODY`)."""
 
     def __init__(self, upstream: aiohttp.ClientResponse, first: bytes, rest: AsyncIterator[bytes], worker_url: str,
-                 on_close: Callable[[], None]):
+                 on_close: Callable[[], None], went_down: asyncio.Event, silence: float):
         super().__init__(self._chunks(first, rest), status_code=upstream.status)
         _with_worker_headers(self, upstream, worker_url)
         self.upstream, self.worker_url, self.on_close = upstream, worker_url, on_close
+        self.went_down, self.silence = went_down, silence
         self.sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
         self.on_body: Callable[[bytes], None] | None = None
         self._body: list[bytes] = []  # what was relayed, while `on_body` wants it
@@ -287,10 +296,25 @@ class _Relay(StreamingResponse):
                 yield self._keep(tail)
             self._whole = True
 
+    async def _end_if_silent_while_down(self) -> None:
+        """While the worker is marked down (`went_down` set), a body that receives nothing for
+        `silence` seconds fails as a worker failing mid-body does: a frozen worker's stream ends
+        then, not after `request_timeout`. A worker that still sends, or is back up, goes on."""
+        content = self.upstream.content
+        while True:
+            await self.went_down.wait()
+            received = content.total_bytes
+            await asyncio.sleep(self.silence)
+            if self.went_down.is_set() and content.total_bytes == received and not content.at_eof():
+                content.set_exception(_WorkerWentDown(f"marked down and silent for {self.silence:g} s"))
+                return
+
     async def __call__(self, scope, receive, send) -> None:
+        watchdog = asyncio.ensure_future(self._end_if_silent_while_down())
         try:
             await super().__call__(scope, receive, send)
         finally:
+            watchdog.cancel()
             _let_go(self.upstream)
             self.on_close()
             if self._whole and self.on_body is not None:
@@ -336,6 +360,8 @@ class Router:
         if not 0 < request_timeout < math.inf:
             raise ValueError(f"request_timeout must be a positive number of seconds, got {request_timeout}")
         self.workers = {u.rstrip("/"): WorkerState(u.rstrip("/")) for u in urls}
+        # set while a worker is marked down: a body it relays ends once silent (`_Relay`)
+        self._went_down = {url: asyncio.Event() for url in self.workers}
         self.policy = policy
         self.health_check_interval = health_check_interval
         self.health_check_timeout = health_check_timeout
@@ -400,6 +426,7 @@ class Router:
             if not worker.up:
                 log.info("worker %s is up", worker.url)
             worker.up, worker.problem, worker.failed_checks = True, "", 0
+            self._went_down[worker.url].clear()
             return
         worker.failed_checks += 1
         if worker.failed_checks >= self.health_failure_threshold or not worker.up:
@@ -410,6 +437,7 @@ class Router:
             log.warning("worker %s is down: %s", worker.url, problem)
             self.policy.forget(worker.url)
         worker.up, worker.problem = False, problem
+        self._went_down[worker.url].set()
 
     # --- relaying -------------------------------------------------------------------------------------
     def loads(self, exclude: set[str] = frozenset()) -> dict[str, int]:
@@ -515,7 +543,8 @@ class Router:
             if not opening.done():
                 return None
             upstream, first, rest = opening.result()
-            return _Relay(upstream, first, rest, worker.url, lambda: self._release(worker))
+            return _Relay(upstream, first, rest, worker.url, lambda: self._release(worker),
+                          self._went_down[worker.url], self.health_check_timeout)
         finally:
             watch.cancel()
             if not opening.done():
