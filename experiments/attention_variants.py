@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from common import EngineConfig, results_dir, table, write_report  # noqa: E402
+from llmjax.cli_types import positive_int, positive_finite, non_negative_int_list  # noqa: E402
 from llmjax.config import PRESETS, ModelConfig  # noqa: E402
 from llmjax.kv.manager import KVCacheManager  # noqa: E402
 from llmjax.sampling_params import SamplingParams  # noqa: E402
@@ -249,20 +250,21 @@ def plot(rows: list[dict], runs: dict[str, list[dict]], path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kv-budget-mib", type=float, default=16)
-    ap.add_argument("--request-len", type=int, default=256)
-    ap.add_argument("--max-batch", type=int, default=64)
-    ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--train-steps", type=int, default=160)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated training seeds (at least 2)")
+    ap.add_argument("--kv-budget-mib", type=positive_finite, default=16)
+    ap.add_argument("--request-len", type=positive_int, default=256)
+    ap.add_argument("--max-batch", type=positive_int, default=64)
+    ap.add_argument("--decode-tokens", type=positive_int, default=64)
+    ap.add_argument("--train-steps", type=positive_int, default=160)
+    ap.add_argument("--batch", type=positive_int, default=8)
+    ap.add_argument("--seq", type=positive_int, default=64)
+    ap.add_argument("--seeds", type=non_negative_int_list, default="0,1,2,3,4",
+                    help="comma-separated training seeds (at least 2)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 20 training steps, seeds 0,1, 16 decode "
                     "tokens; written to build/results-quick/")
     args = ap.parse_args()
     if args.quick:
-        args.train_steps, args.seeds, args.decode_tokens = 20, "0,1", 16
-    seeds = [int(x) for x in args.seeds.split(",")]
+        args.train_steps, args.seeds, args.decode_tokens = 20, [0, 1], 16
+    seeds = args.seeds
     if len(seeds) < 2:
         ap.error("--seeds needs at least two seeds for an interval")
     out = results_dir(args.quick)
@@ -327,7 +329,8 @@ def main() -> None:
         f"{max(params):.3f}M, {max(params) / min(params) - 1:.2%} apart). KV budget {args.kv_budget_mib:g} MiB, "
         f"requests of {args.request_len} tokens; decode throughput on this CPU at min(capacity, {args.max_batch}) "
         f"requests. Training: {args.train_steps} AdamW steps of {args.batch}x{args.seq} bytes ({tokens / 1e6:.2f}M "
-        f"tokens) of the Python standard library's source per run, seeds {args.seeds} (identical batches across "
+        f"tokens) of the Python standard library's source per run, seeds {','.join(map(str, seeds))} "
+        "(identical batches across "
         "variants); validation on held-out files (loss in nats per byte).", "",
         table(rows, columns), "",
         f"Headline: per token GQA keeps {g['vs_mha']:.0%}, MQA {q['vs_mha']:.1%}, MLA {m['vs_mha']:.1%} of MHA's KV, so "

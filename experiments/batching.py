@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 
 from common import EngineConfig, all_at_once, change, make_engine, plot_timeline, replay_engine, replay_sim, \
     results_dir, table, warm_engine, write_report  # noqa: E402
+from llmjax.cli_types import positive_int, non_negative_int, positive_finite  # noqa: E402
 from llmjax.workloads import SHAREGPT, LengthDist  # noqa: E402
 from paper_repro.traces import length_trace  # noqa: E402
 
@@ -137,16 +138,16 @@ def plot(cpu: dict, sim: dict, path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--rate", type=float, default=16.0, help="CPU trace arrivals per second")
-    ap.add_argument("--slots", type=int, default=8)
-    ap.add_argument("--capacity-passes", type=int, default=7,
+    ap.add_argument("--requests", type=positive_int, default=64)
+    ap.add_argument("--rate", type=positive_finite, default=16.0, help="CPU trace arrivals per second")
+    ap.add_argument("--slots", type=positive_int, default=8)
+    ap.add_argument("--capacity-passes", type=positive_int, default=7,
                     help="CPU passes at capacity per policy, the policies taking turns (each pass is short on a "
                          "tiny model); the median one is reported")
-    ap.add_argument("--sim-requests", type=int, default=600)
-    ap.add_argument("--sim-rate", type=float, default=1.5)
-    ap.add_argument("--sim-slots", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sim-requests", type=positive_int, default=600)
+    ap.add_argument("--sim-rate", type=positive_finite, default=1.5)
+    ap.add_argument("--sim-slots", type=positive_int, default=32)
+    ap.add_argument("--seed", type=non_negative_int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: 16 CPU / 100 simulated requests, "
                     "written to build/results-quick/")
     args = ap.parse_args()

@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 
 from common import EngineConfig, TraceRequest, change, make_engine, replay_engine, replay_sim, results_dir, \
     table, warm_engine, write_report  # noqa: E402
+from llmjax.cli_types import non_negative_int, positive_int_list  # noqa: E402
 from paper_repro.traces import poisson_arrivals, random_tokens  # noqa: E402
 
 
@@ -96,18 +97,17 @@ def plot(worlds: dict[str, list[dict]], path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--budgets", default="64,128,256")
-    ap.add_argument("--sim-budgets", default="128,256,512,1024,2048")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budgets", type=positive_int_list, default="64,128,256")
+    ap.add_argument("--sim-budgets", type=positive_int_list, default="128,256,512,1024,2048")
+    ap.add_argument("--seed", type=non_negative_int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: one CPU budget, shorter decodes, two simulated "
                     "budgets; written to build/results-quick/")
     args = ap.parse_args()
     if args.quick:
-        args.budgets, args.sim_budgets = "64", "256,1024"
+        args.budgets, args.sim_budgets = [64], [256, 1024]
     out = results_dir(args.quick)
     cpu_decode_out = 400 if args.quick else 700  # enough that the decodes outlast the long prompts' arrivals
-    budgets = [int(b) for b in args.budgets.split(",")]
-    sim_budgets = [int(b) for b in args.sim_budgets.split(",")]
+    budgets, sim_budgets = args.budgets, args.sim_budgets
 
     cpu_trace = workload(args.seed, 512, decodes=16, decode_out=cpu_decode_out, longs=8, long_len=250, rate=8.0,
                          start=0.1)

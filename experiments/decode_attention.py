@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import alternating, best_time, table, write_report  # noqa: E402
 from offline_throughput import memory_bandwidth  # noqa: E402
 
+from llmjax.cli_types import positive_int, positive_int_list, choice_list  # noqa: E402
 from llmjax.cpu_flags import apply_cpu_flags  # noqa: E402
 from llmjax.provenance import results_dir  # noqa: E402
 
@@ -165,22 +166,19 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", default="128,400,1000", help="context lengths (keys per row), comma-separated")
-    ap.add_argument("--rows", type=int, default=64, help="decode rows per step")
-    ap.add_argument("--dtypes", default="bfloat16,float32", help="KV cache dtypes, comma-separated")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--repeats", type=int, default=5, help="calls per build per round (the best counts)")
+    ap.add_argument("--contexts", type=positive_int_list, default="128,400,1000",
+                    help="context lengths (keys per row), comma-separated")
+    ap.add_argument("--rows", type=positive_int, default=64, help="decode rows per step")
+    ap.add_argument("--dtypes", type=choice_list("bfloat16", "float32"), default="bfloat16,float32",
+                    help="KV cache dtypes, comma-separated")
+    ap.add_argument("--rounds", type=positive_int, default=7)
+    ap.add_argument("--repeats", type=positive_int, default=5, help="calls per build per round (the best counts)")
     ap.add_argument("--out-name", default="decode_attention")
     ap.add_argument("--quick", action="store_true", help="2 rounds, 8 rows at 64 keys, bfloat16 (a smoke run)")
     args = ap.parse_args()
     if args.quick:
-        args.contexts, args.rows, args.dtypes, args.rounds, args.repeats = "64", 8, "bfloat16", 2, 2
-    contexts = [int(c) for c in args.contexts.split(",")]
-    dtypes = args.dtypes.split(",")
-    if args.rows < 1 or args.rounds < 1 or args.repeats < 1 or min(contexts) < 1:
-        raise SystemExit("--rows, --rounds, --repeats and every context must be at least 1")
-    if not set(dtypes) <= {"bfloat16", "float32"}:
-        raise SystemExit("--dtypes: bfloat16 and / or float32")
+        args.contexts, args.rows, args.dtypes, args.rounds, args.repeats = [64], 8, ["bfloat16"], 2, 2
+    contexts, dtypes = args.contexts, args.dtypes
 
     targets = load_builds()
     geo = geometry()

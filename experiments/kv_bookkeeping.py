@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from common import results_dir, write_report  # noqa: E402
+from llmjax.cli_types import positive_int, non_negative_int  # noqa: E402
 from llmjax.kv import KVCacheManager  # noqa: E402
 
 VOCAB = 32000
@@ -151,16 +152,16 @@ def plot(cost: dict[str, list], step_times: dict[str, list[float]], num_running:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-requests", type=int, default=100_000)
-    p.add_argument("--num-running", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=2048, help="small enough to evict and preempt")
-    p.add_argument("--num-prefixes", type=int, default=32)
-    p.add_argument("--prefix-len", type=int, default=512, help="longest shared prefix (tokens)")
-    p.add_argument("--suffix-len", type=int, default=128, help="longest per-request suffix (tokens)")
-    p.add_argument("--output-len", type=int, default=24, help="mean output length (tokens)")
-    p.add_argument("--decode-steps", type=int, default=2000)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-requests", type=positive_int, default=100_000)
+    p.add_argument("--num-running", type=positive_int, default=256)
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--num-blocks", type=positive_int, default=2048, help="small enough to evict and preempt")
+    p.add_argument("--num-prefixes", type=positive_int, default=32)
+    p.add_argument("--prefix-len", type=positive_int, default=512, help="longest shared prefix (tokens)")
+    p.add_argument("--suffix-len", type=positive_int, default=128, help="longest per-request suffix (tokens)")
+    p.add_argument("--output-len", type=positive_int, default=24, help="mean output length (tokens)")
+    p.add_argument("--decode-steps", type=positive_int, default=2000)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 2000 requests, 200 decode steps, "
                    "written to build/results-quick/")
     args = p.parse_args()
@@ -168,6 +169,10 @@ def main() -> None:
         args.num_requests, args.decode_steps = 2000, 200
 
     prompts, outputs = build_stream(args)
+    longest = max(len(prompt) + out for prompt, out in zip(prompts, outputs))
+    if -(-longest // args.block_size) > args.num_blocks - 1:  # one block is the null block
+        p.error(f"--num-blocks {args.num_blocks}: the longest request, {longest} tokens, needs "
+                f"{-(-longest // args.block_size)} blocks of {args.block_size} tokens, plus the null block")
     m = KVCacheManager(args.num_blocks, args.block_size)
     t0 = time.perf_counter()
     cost = run_stream(m, prompts, outputs, args.num_running)

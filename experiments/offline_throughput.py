@@ -39,6 +39,7 @@ orders, screened): pick a subset with the flags, watch the progress bar's ETA.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -55,6 +56,8 @@ from llmjax.cpu_flags import apply_cpu_flags  # noqa: E402
 
 apply_cpu_flags()  # before anything starts JAX's backend
 
+from llmjax.cli_types import (choice_list, non_negative_int, positive_finite, positive_int,  # noqa: E402
+                              positive_int_list)
 from llmjax.provenance import results_dir, write_results  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -147,11 +150,29 @@ def decode_floor(step: dict, bandwidth: float, peak: float) -> float:
 
 # --- the systems --------------------------------------------------------------------------------------
 def parse_settings(text: str) -> dict:
-    out = {}
+    """`--llmjax-best`'s type: comma-separated `FIELD=VALUE`s of `EngineConfig` -> {field: value} (a
+    digit string an int, true/false a bool)."""
+    from llmjax.config import EngineConfig
+
+    fields, out = {f.name for f in dataclasses.fields(EngineConfig)}, {}
     for item in filter(None, text.split(",")):
-        key, value = item.split("=")
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise argparse.ArgumentTypeError(f"expected EngineConfig FIELD=VALUE items, got {item!r}")
         out[key] = int(value) if value.isdigit() else {"true": True, "false": False}.get(value.lower(), value)
     return out
+
+
+def parse_llama_cpp(text: str) -> list[tuple[str, int]]:
+    """`--llama-cpp`'s type: comma-separated `WEIGHTS:SEQUENCES` -> [(weights, sequences)]."""
+    grid = []
+    for item in text.split(","):
+        weights, _, sequences = item.partition(":")
+        if weights not in LlamaCpp.WEIGHTS or not sequences.isdigit() or int(sequences) < 1:
+            raise argparse.ArgumentTypeError(f"expected WEIGHTS:SEQUENCES items, weights one of "
+                                             f"{', '.join(LlamaCpp.WEIGHTS)}, got {item!r}")
+        grid.append((weights, int(sequences)))
+    return grid
 
 
 class LLMJaxRun:
@@ -371,37 +392,40 @@ class LlamaCpp:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=("default", "equal"), default="default")
-    parser.add_argument("--num-requests", type=int, default=None, help="default: 128 (default), 32 (equal)")
-    parser.add_argument("--systems", default="llmjax-default,llmjax-best,hf,llama.cpp")
-    parser.add_argument("--hf-dtypes", default="float32,bfloat16")
-    parser.add_argument("--hf-batch-sizes", default="8,16,32,64,128")
-    parser.add_argument("--hf-orders", default="arrival,sorted", help="arrival and/or sorted (by prompt length)")
-    parser.add_argument("--llama-cpp", default="q4_1:64,bf16:16,bf16:64,bf16:128",
+    parser.add_argument("--num-requests", type=positive_int, default=None, help="default: 128 (default), 32 (equal)")
+    parser.add_argument("--systems", type=choice_list("llmjax-default", "llmjax-best", "hf", "llama.cpp"),
+                        default="llmjax-default,llmjax-best,hf,llama.cpp")
+    parser.add_argument("--hf-dtypes", type=choice_list("float32", "bfloat16"), default="float32,bfloat16")
+    parser.add_argument("--hf-batch-sizes", type=positive_int_list, default="8,16,32,64,128")
+    parser.add_argument("--hf-orders", type=choice_list("arrival", "sorted"), default="arrival,sorted",
+                        help="arrival and/or sorted (by prompt length)")
+    parser.add_argument("--llama-cpp", type=parse_llama_cpp, default="q4_1:64,bf16:16,bf16:64,bf16:128",
                         help="llama.cpp's configurations, WEIGHTS:SEQUENCES (weights q4_1: the GGUF's own; bf16)")
-    parser.add_argument("--llmjax-best", default=DEFAULT_BEST, help="EngineConfig fields of llmjax's best setting")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--pairs", type=int, default=3,
+    parser.add_argument("--llmjax-best", type=parse_settings, default=DEFAULT_BEST,
+                        help="EngineConfig fields of llmjax's best setting")
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--pairs", type=non_negative_int, default=3,
                         help="passes of llmjax's best and each peer's best (HF, llama.cpp), alternately, for the "
                              "paired ratios (0: none)")
     parser.add_argument("--screen", action=argparse.BooleanOptionalAction, default=True,
                         help="one pass per HF and llama.cpp configuration, then --repeats passes of the fastest "
                              "(HF: of each dtype)")
-    parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="llmjax's KV pool in both settings")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-gib", type=positive_finite, default=4.0, help="llmjax's KV pool in both settings")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--out-name", default=None, help="results/<name>.md|json (default: offline_throughput, "
                                                          "offline_throughput_equal for --workload equal)")
     args = parser.parse_args()
 
     prompts, outputs = workload(args.workload, args.num_requests, args.seed)
     n_req, total_out = len(prompts), sum(outputs)
-    systems = args.systems.split(",")
+    systems = args.systems
     kv = dict(kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), max_model_len=1024)
-    llmjax_settings = {"llmjax-default": kv, "llmjax-best": {**kv, **parse_settings(args.llmjax_best)}}
-    hf_batches = sorted({min(int(b), n_req) for b in args.hf_batch_sizes.split(",")})  # at most every request
-    if len(hf_batches) < len(args.hf_batch_sizes.split(",")):
+    llmjax_settings = {"llmjax-default": kv, "llmjax-best": {**kv, **args.llmjax_best}}
+    hf_batches = sorted({min(b, n_req) for b in args.hf_batch_sizes})  # at most every request
+    if len(hf_batches) < len(args.hf_batch_sizes):
         print(f"HF batch sizes above the {n_req} requests are one batch of {n_req}: sweeping {hf_batches}")
-    hf_grid = [(d, b, o) for d in args.hf_dtypes.split(",") for b in hf_batches
-               for o in args.hf_orders.split(",")] if "hf" in systems else []
+    hf_grid = [(d, b, o) for d in args.hf_dtypes for b in hf_batches
+               for o in args.hf_orders] if "hf" in systems else []
     if "llama.cpp" in systems:
         try:
             import llama_cpp  # noqa: F401
@@ -409,10 +433,7 @@ def main() -> None:
             print("llama.cpp: llama-cpp-python is not installed; skipped")
             systems.remove("llama.cpp")
     plan = [(s, None) for s in systems if s.startswith("llmjax")] + [("hf", c) for c in hf_grid]
-    llama_cpp_grid = [(w, int(n)) for w, n in (c.split(":") for c in args.llama_cpp.split(","))] \
-        if "llama.cpp" in systems else []
-    if any(w not in LlamaCpp.WEIGHTS for w, _ in llama_cpp_grid):
-        parser.error(f"--llama-cpp: weights are one of {', '.join(LlamaCpp.WEIGHTS)}")
+    llama_cpp_grid = args.llama_cpp if "llama.cpp" in systems else []
     plan += [("llama.cpp", c) for c in llama_cpp_grid]
     screened = [len(hf_grid), len({d for d, _, _ in hf_grid})], [len(llama_cpp_grid), min(1, len(llama_cpp_grid))]
     screened_passes = sum(n + (args.repeats - 1) * best if args.screen else n * args.repeats for n, best in screened)

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from llmjax.cli_types import choice_list, positive_int
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -101,9 +103,10 @@ def load_attention_from_git(ref: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline-ref", default=None, help="git revision whose attention/xla.py is the baseline")
-    parser.add_argument("--cases", default="decode,mixed,prefill")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="model dtypes to profile side by side")
+    parser.add_argument("--cases", type=choice_list("decode", "mixed", "prefill"), default="decode,mixed,prefill")
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--dtypes", type=choice_list("float32", "bfloat16"), default="float32,bfloat16",
+                        help="model dtypes to profile side by side")
     parser.add_argument("--attention-backend", default=None, help="the engine's backend (default: the platform's)")
     parser.add_argument("--wide-tables", action="store_true",
                         help="also run the engine's step with block tables twice as wide (B x 2)")
@@ -118,7 +121,7 @@ def main() -> None:
     from llmjax.step_input import HostInputs
 
     engines, variants = {}, {}
-    for dtype in args.dtypes.split(","):
+    for dtype in args.dtypes:
         config = EngineConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=1024,
                               kv_cache_memory_bytes=1 << 30, dtype=dtype, attention_backend=args.attention_backend)
         engine = engines[dtype] = LLMEngine.from_config(None, config)
@@ -142,7 +145,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     all_cases = cases(rng)
     rows = []
-    for name in args.cases.split(","):
+    for name in args.cases:
         desc, q_lens, contexts = all_cases[name]
         t, s, b = runner.buckets.shape(sum(q_lens), len(q_lens), -(-max(contexts) // bs))
         inputs = {}  # B multiple -> the batch's inputs (the same batch: its tables widened with null blocks)

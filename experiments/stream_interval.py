@@ -38,6 +38,7 @@ from common import (add_stream_args, alternating, change, cpu_seconds, free_port
                     medians_by, parse_stream_args, results_dir, server_process, stream_server_args, table,
                     write_report)
 
+from llmjax.cli_types import positive_int_list  # noqa: E402
 from llmjax.bench import add_bench_args, run_bench  # noqa: E402
 
 def run_one(args: argparse.Namespace, interval: int, log) -> dict:
@@ -101,12 +102,10 @@ def plot(rows: list[dict], runs: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_stream_args(ap, num_prompts=512, quick_help="intervals 1 and 4, one round, 64 streams of 32 tokens")
-    ap.add_argument("--intervals", default="1,2,4,8")
+    ap.add_argument("--intervals", type=positive_int_list, default="1,2,4,8")
     ap.add_argument("server_args", nargs="*", help="more flags for the server (after --)")
-    args = parse_stream_args(ap, quick=dict(intervals="1,4", rounds=1, num_prompts=64, concurrency=64, output_len=32))
-    intervals = [int(x) for x in args.intervals.split(",")]
-    if any(n < 1 for n in intervals):
-        raise SystemExit("--intervals takes positive integers")
+    args = parse_stream_args(ap, quick=dict(intervals=[1, 4], rounds=1, num_prompts=64, concurrency=64, output_len=32))
+    intervals = args.intervals
     runs = []
     with tempfile.NamedTemporaryFile("w", prefix="stream-interval-", suffix=".log", delete=False) as log:
         for round_, n in alternating(intervals, args.rounds):

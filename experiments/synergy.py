@@ -42,6 +42,7 @@ from tqdm import tqdm  # noqa: E402
 
 from common import EngineConfig, Replay, Timing, TraceRequest, make_engine, replay_engine, results_dir, table, \
     warm_engine, write_report  # noqa: E402
+from llmjax.cli_types import positive_int, non_negative_int, positive_int_list  # noqa: E402
 from llmjax.workloads import lognormal_lengths  # noqa: E402
 from paper_repro.traces import random_tokens  # noqa: E402
 
@@ -125,20 +126,23 @@ def rungs(slots: int, paged_batch: int, chunk: int, kv_bytes: int, gpu: bool) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--hf-requests", type=int, default=0, help="run HF on the first N requests only (0: all)")
-    ap.add_argument("--slots", type=int, default=4, help="requests a contiguous max-length KV budget admits")
-    ap.add_argument("--prefixes", type=int, default=2)
-    ap.add_argument("--prefix-len", type=int, default=96)
-    ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--hf-batches", default="4,8,16,32", help="HF batch sizes swept (each in bfloat16 and float32)")
-    ap.add_argument("--passes", type=int, default=3, help="timed passes of each engine rung (the median is reported)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--requests", type=positive_int, default=32)
+    ap.add_argument("--hf-requests", type=non_negative_int, default=0,
+                    help="run HF on the first N requests only (0: all)")
+    ap.add_argument("--slots", type=positive_int, default=4, help="requests a contiguous max-length KV budget admits")
+    ap.add_argument("--prefixes", type=positive_int, default=2)
+    ap.add_argument("--prefix-len", type=positive_int, default=96)
+    ap.add_argument("--chunk", type=positive_int, default=256)
+    ap.add_argument("--hf-batches", type=positive_int_list, default="4,8,16,32",
+                    help="HF batch sizes swept (each in bfloat16 and float32)")
+    ap.add_argument("--passes", type=positive_int, default=3,
+                    help="timed passes of each engine rung (the median is reported)")
+    ap.add_argument("--seed", type=non_negative_int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 requests, HF batches 4,8; written to "
                     "build/results-quick/")
     args = ap.parse_args()
     if args.quick:
-        args.requests, args.hf_batches = 8, "4,8"
+        args.requests, args.hf_batches = 8, [4, 8]
     out = results_dir(args.quick)
     import torch
 
@@ -155,7 +159,7 @@ def main() -> None:
     hf_subset = requests[: args.hf_requests or None]
     sweep = []
     for dtype in ("bfloat16", "float32"):
-        for batch in (int(b) for b in args.hf_batches.split(",")):
+        for batch in args.hf_batches:
             replay = run_hf(hf_subset, batch, dtype)
             sweep.append({"batch": batch, "dtype": dtype, "tokens_per_s": replay.stats()["tokens_per_s"],
                           "replay": replay})

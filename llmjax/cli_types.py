@@ -56,6 +56,14 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def positive_finite(text: str) -> float:
+    """A finite number > 0 (a rate, a size)."""
+    value = _number(text, float)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
 def positive_number(text: str) -> float:
     """A number > 0; `inf` is allowed (no limit)."""
     value = _number(text, float)
@@ -103,3 +111,34 @@ def server_urls(text: str) -> list[str]:
     if len(set(urls)) < len(urls):
         raise argparse.ArgumentTypeError(f"a URL is listed twice in {text!r}")
     return urls
+
+
+def _list_of(item_type, text: str) -> list:
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list without empty items, got {text!r}")
+    return [item_type(item) for item in items]
+
+
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated positive integers, at least one (`4,8,16`)."""
+    return _list_of(positive_int, text)
+
+
+def non_negative_int_list(text: str) -> list[int]:
+    """Comma-separated integers >= 0, at least one (seeds: `0,1,2`)."""
+    return _list_of(non_negative_int, text)
+
+
+def choice_list(*choices: str):
+    """The `type=` of a comma-separated list of `choices`, at least one, each at most once."""
+    def parse(text: str) -> list[str]:
+        items = _list_of(str, text)
+        unknown = [item for item in items if item not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))}: expected some of "
+                                             f"{', '.join(choices)}")
+        if len(set(items)) < len(items):
+            raise argparse.ArgumentTypeError(f"an item is listed twice in {text!r}")
+        return items
+    return parse
