@@ -10,7 +10,9 @@ smaller attention get a wider MLP, so quality differences are not parameter diff
 2. Capacity: how many requests of `--request-len` tokens our `KVCacheManager` admits in one fixed KV
    budget (allocating each request's whole length, i.e. the concurrency it can sustain to the end).
 3. Decode throughput on this CPU at that batch (capped at `--max-batch`): that many requests prefill, then
-   decode `--decode-tokens` tokens; output tokens/s over the decode-only steps, after a warm-up.
+   decode `--decode-tokens` tokens; output tokens/s over the decode-only steps, every variant on the
+   pure-JAX attention (the native CPU kernel has no MLA path), after a compiling pass; the median of
+   `--decode-rounds` passes, the variants in turn.
 4. Quality: each variant trained on the same byte-level corpus (the Python standard library's source,
    bytes as token ids < 512), once per seed in `--seeds` (a seed fixes the initialisation and the batch
    order, identical across variants), AdamW; validation loss and perplexity on held-out files (the
@@ -38,7 +40,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from common import EngineConfig, results_dir, table, write_report  # noqa: E402
+from common import EngineConfig, alternating, results_dir, table, write_report  # noqa: E402
 from llmjax.cli_types import positive_int, positive_finite, non_negative_int_list  # noqa: E402
 from llmjax.config import PRESETS, ModelConfig  # noqa: E402
 from llmjax.kv.manager import KVCacheManager  # noqa: E402
@@ -110,25 +112,24 @@ def capacity(num_blocks: int, block_size: int, request_len: int) -> int:
 
 
 def decode_throughput(engine, batch: int, prompt_len: int, tokens: int) -> float:
-    """Output tokens/s of decode-only steps with `batch` requests running (second pass; the first compiles)."""
+    """Output tokens/s of the decode-only steps of one pass: `batch` requests of `prompt_len` tokens,
+    `tokens` output tokens each (a first pass on an engine compiles its steps)."""
     rng = np.random.default_rng(0)
-    rate = 0.0
-    for _ in range(2):
-        for _ in range(batch):
-            engine.add_request(rng.integers(16, 512, prompt_len).tolist(),
-                               SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
-        engine.scheduler.input_closed = True
-        elapsed, produced = 0.0, 0
-        while engine.has_unfinished_requests():
-            decoding = bool(engine.scheduler.running) and not engine.scheduler.waiting and all(
-                r.num_computed_tokens > 0 and r.output_token_ids for r in engine.scheduler.running)
-            t = time.perf_counter()
-            outs = engine.step()
-            if decoding:
-                elapsed += time.perf_counter() - t
-                produced += len(outs)
-        rate = produced / elapsed if elapsed else float("nan")
-    return rate
+    for _ in range(batch):
+        engine.add_request(rng.integers(16, 512, prompt_len).tolist(),
+                           SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+    engine.scheduler.input_closed = True
+    elapsed, produced = 0.0, 0
+    while engine.has_unfinished_requests():
+        decoding = bool(engine.scheduler.running) and not engine.scheduler.waiting and all(
+            r.num_computed_tokens > 0 and r.output_token_ids for r in engine.scheduler.running)
+        t = time.perf_counter()
+        outs = engine.step()
+        if decoding:
+            elapsed += time.perf_counter() - t
+            produced += len(outs)
+    engine.scheduler.input_closed = False
+    return produced / elapsed if elapsed else float("nan")
 
 
 # --- training ------------------------------------------------------------------------------------------
@@ -254,6 +255,8 @@ def main() -> None:
     ap.add_argument("--request-len", type=positive_int, default=256)
     ap.add_argument("--max-batch", type=positive_int, default=64)
     ap.add_argument("--decode-tokens", type=positive_int, default=64)
+    ap.add_argument("--decode-rounds", type=positive_int, default=3,
+                    help="timed decode passes of each variant, the variants in turn (the median is reported)")
     ap.add_argument("--train-steps", type=positive_int, default=160)
     ap.add_argument("--batch", type=positive_int, default=8)
     ap.add_argument("--seq", type=positive_int, default=64)
@@ -263,7 +266,7 @@ def main() -> None:
                     "tokens; written to build/results-quick/")
     args = ap.parse_args()
     if args.quick:
-        args.train_steps, args.seeds, args.decode_tokens = 20, [0, 1], 16
+        args.train_steps, args.seeds, args.decode_tokens, args.decode_rounds = 20, [0, 1], 16, 1
     seeds = args.seeds
     if len(seeds) < 2:
         ap.error("--seeds needs at least two seeds for an interval")
@@ -275,25 +278,35 @@ def main() -> None:
     configs = matched_configs()
     budget = int(args.kv_budget_mib * (1 << 20))
     train_ids, val_ids = corpus(4 << 20)
-    rows, runs = [], {}
-    for name, cfg in tqdm(configs.items(), desc="KV size, capacity, decode", unit="variant"):
+    rows, runs, engines = [], {}, {}
+    for name, cfg in tqdm(configs.items(), desc="KV size, capacity, decode compiled", unit="variant"):
         text, elems = formula(cfg)
+        # one attention implementation for all four (the native CPU kernel has no MLA path), so the
+        # decode rates differ by the variants, not by kernels
         engine = LLMEngine(build(name, cfg), CharTokenizer(),
                            EngineConfig(kv_cache_memory_bytes=budget, max_model_len=args.request_len,
                                         max_num_seqs=args.max_batch, max_num_batched_tokens=2048,
-                                        enable_prefix_caching=False))
+                                        enable_prefix_caching=False, attention_backend="xla"))
         cache = engine.runner.cache
         allocated = sum(a.nbytes for a in (cache if isinstance(cache, (tuple, list)) else [cache])) \
             / (engine.num_blocks * engine.config.block_size)
         cap = capacity(engine.num_blocks, engine.config.block_size, args.request_len)
         batch = min(cap, args.max_batch)
-        tok_s = decode_throughput(engine, batch, args.request_len // 2, args.decode_tokens)
+        decode_throughput(engine, batch, args.request_len // 2, args.decode_tokens)  # compiles its steps
+        engines[name] = engine, batch
         rows.append({"variant": name, "heads": f"{cfg.num_heads}/{cfg.num_kv_heads if cfg.attention == 'gqa' else '-'}",
                      "mlp_width": cfg.intermediate_size, "formula": text, "elements": elems,
                      "formula_bytes": elems * DTYPE_BYTES, "config_bytes": cfg.kv_bytes_per_token(DTYPE_BYTES),
-                     "allocated": allocated, "capacity": cap, "batch": batch, "decode_tok_s": tok_s,
-                     "params_m": param_count(cfg) / 1e6})
-        del engine
+                     "allocated": allocated, "capacity": cap, "batch": batch, "params_m": param_count(cfg) / 1e6})
+    rates = {name: [] for name in engines}
+    for k, name in tqdm(list(alternating(list(engines), args.decode_rounds)), desc="decode passes, in turn"):
+        engine, batch = engines[name]
+        rates[name].append(decode_throughput(engine, batch, args.request_len // 2, args.decode_tokens))
+    for row in rows:
+        row["decode_tok_s_passes"] = rates[row["variant"]]
+        row["decode_tok_s"] = float(np.median(rates[row["variant"]]))
+        row["decode_span"] = f"{min(rates[row['variant']]):.0f}-{max(rates[row['variant']]):.0f}"
+    del engines
     # Training after every timing, so the decode measurements never share the CPU with it.
     for name, cfg in tqdm(configs.items(), desc="training (all seeds of a variant)", unit="variant"):
         runs[name] = train(name, cfg, train_ids, val_ids, args.train_steps, args.batch, args.seq, seeds)
@@ -313,7 +326,8 @@ def main() -> None:
                ("params_m", "params (M)", ".3f"), ("formula", "KV elements/token", ""),
                ("formula_bytes", "formula bytes", "d"), ("allocated", "allocated bytes", ".0f"),
                ("vs_mha", "vs MHA", ".3f"), ("capacity", f"requests in {args.kv_budget_mib:g} MiB", "d"),
-               ("batch", "batch run", "d"), ("decode_tok_s", "decode tok/s", ".0f"),
+               ("batch", "batch run", "d"), ("decode_tok_s", "decode tok/s (median)", ".0f"),
+               ("decode_span", "over passes", ""),
                ("val_loss", "val loss (mean)", ".3f"), ("ppl", "val ppl", ".2f")]
     tokens = runs["MHA"][0]["tokens"]
     best = min(rows, key=lambda r: r["val_loss"])
@@ -328,7 +342,9 @@ def main() -> None:
         f"widened so the parameter counts match MHA's within {PARAM_TOLERANCE:.0%} (here {min(params):.3f}-"
         f"{max(params):.3f}M, {max(params) / min(params) - 1:.2%} apart). KV budget {args.kv_budget_mib:g} MiB, "
         f"requests of {args.request_len} tokens; decode throughput on this CPU at min(capacity, {args.max_batch}) "
-        f"requests. Training: {args.train_steps} AdamW steps of {args.batch}x{args.seq} bytes ({tokens / 1e6:.2f}M "
+        f"requests, every variant on the pure-JAX attention (`xla`: the native CPU kernel has no MLA path), the "
+        f"median of {args.decode_rounds} passes taken in turn after a compiling one. Training: "
+        f"{args.train_steps} AdamW steps of {args.batch}x{args.seq} bytes ({tokens / 1e6:.2f}M "
         f"tokens) of the Python standard library's source per run, seeds {','.join(map(str, seeds))} "
         "(identical batches across "
         "variants); validation on held-out files (loss in nats per byte).", "",

@@ -25,9 +25,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import EngineConfig, TraceRequest, change, make_engine, replay_engine, replay_sim, results_dir, \
-    table, warm_engine, write_report  # noqa: E402
-from llmjax.cli_types import non_negative_int, positive_int_list  # noqa: E402
+from common import EngineConfig, TraceRequest, alternating, change, make_engine, medians_by, replay_engine, \
+    replay_sim, results_dir, table, warm_engine, write_report  # noqa: E402
+from llmjax.cli_types import non_negative_int, positive_int, positive_int_list  # noqa: E402
 from paper_repro.traces import poisson_arrivals, random_tokens  # noqa: E402
 
 
@@ -59,21 +59,36 @@ def measure(replay, label: str, budget: int) -> dict:
             "preemptions": replay.extra["preemptions"]}
 
 
-def sweep(requests, budgets: list[int], max_model_len: int, slots: int, run) -> list[dict]:
-    rows = []
+def sweep(budgets: list[int], max_model_len: int, slots: int, run, passes: int = 1) -> list[dict]:
+    """A row per budget (those below `max_model_len`, then no chunking): `run(config, label)`'s replay
+    measured `passes` times, the budgets in turn, forward then backward (a drift of the shared machine
+    falls on all of them alike); each value the median over the passes, `ranges` the span of the two
+    headline values over them."""
     base = EngineConfig(max_model_len=max_model_len, max_num_seqs=slots, enable_prefix_caching=False)
-    for b in budgets + [max_model_len]:
-        chunked = b < max_model_len
-        cfg = base.replace(max_num_batched_tokens=b, enable_chunked_prefill=chunked)
-        rows.append(measure(run(cfg, f"budget {b}" if chunked else "no chunking"),
-                            str(b) if chunked else f"no chunking ({b})", b))
+    chunked = [b for b in budgets if b < max_model_len]
+    labels = {b: (str(b) if b < max_model_len else f"no chunking ({b})") for b in chunked + [max_model_len]}
+    runs = []
+    for k, b in alternating(list(labels), passes):
+        cfg = base.replace(max_num_batched_tokens=b, enable_chunked_prefill=b < max_model_len)
+        label = f"budget {b}" if b < max_model_len else "no chunking"
+        runs.append(measure(run(cfg, f"{label}, pass {k + 1}/{passes}"), labels[b], b))
+    keys = tuple(key for key in runs[0] if key not in ("budget", "tokens"))
+    rows = medians_by(runs, "budget", list(labels.values()), keys)
+    for row, b in zip(rows, labels):
+        row["tokens"] = b
+        mine = [r for r in runs if r["budget"] == row["budget"]]
+        row["ranges"] = {key: [min(r[key] for r in mine), max(r[key] for r in mine)]
+                         for key in ("ttft_mean_ms", "itl_p99_ms")}
     return rows
 
 
 COLUMNS = [("budget", "token budget", ""), ("ttft_mean_ms", "long-prompt TTFT mean (ms)", ".0f"),
            ("ttft_p99_ms", "TTFT p99 (ms)", ".0f"), ("itl_p50_ms", "decode ITL p50 (ms)", ".1f"),
            ("itl_p99_ms", "ITL p99 (ms)", ".1f"), ("itl_max_ms", "ITL max (ms)", ".1f"),
-           ("tokens_per_s", "output tok/s", ".1f"), ("preemptions", "preemptions", "d")]
+           ("tokens_per_s", "output tok/s", ".1f"), ("preemptions", "preemptions", "g")]
+# the CPU's rows are medians over passes: the span of the headline values over them too
+CPU_COLUMNS = COLUMNS + [("ttft_span", "TTFT mean over passes (ms)", ""), ("itl_span", "ITL p99 over passes (ms)", "")]
+SIM_DECODES = 12
 
 
 def plot(worlds: dict[str, list[dict]], path) -> None:
@@ -100,11 +115,13 @@ def main() -> None:
     ap.add_argument("--budgets", type=positive_int_list, default="64,128,256")
     ap.add_argument("--sim-budgets", type=positive_int_list, default="128,256,512,1024,2048")
     ap.add_argument("--seed", type=non_negative_int, default=0)
+    ap.add_argument("--passes", type=positive_int, default=3,
+                    help="passes of every CPU budget, in turn (the simulator is deterministic: one)")
     ap.add_argument("--quick", action="store_true", help="smoke run: one CPU budget, shorter decodes, two simulated "
                     "budgets; written to build/results-quick/")
     args = ap.parse_args()
     if args.quick:
-        args.budgets, args.sim_budgets = [64], [256, 1024]
+        args.budgets, args.sim_budgets, args.passes = [64], [256, 1024], 1
     out = results_dir(args.quick)
     cpu_decode_out = 400 if args.quick else 700  # enough that the decodes outlast the long prompts' arrivals
     budgets, sim_budgets = args.budgets, args.sim_budgets
@@ -117,12 +134,14 @@ def main() -> None:
         warm_engine(engine, cpu_trace)
         return replay_engine(engine, cpu_trace, progress=f"CPU {label}")
 
-    # 24 decodes of 632 tokens and one long prompt (1808) fit the 15,728-token KV pool: the budget's
-    # effect is measured without preemption (recompute) stalls mixed in (48 decodes did not fit)
-    sim_trace = workload(args.seed, 50000, decodes=24, decode_out=600, longs=30, long_len=1800, rate=1.0, start=2.0)
+    # 12 decodes of at most 632 tokens (7,584) leave room for four long prompts of 1,808 tokens at once in
+    # the simulated A100's 15,728-token KV pool, so the budget's effect is measured without preemption
+    # (recompute) stalls mixed in (16 decodes preempted at some budgets); each row counts them all the same
+    sim_trace = workload(args.seed, 50000, decodes=SIM_DECODES, decode_out=600, longs=30, long_len=1800, rate=1.0,
+                         start=2.0)
     worlds = {
-        "real engine on this CPU (tiny-gqa)": sweep(cpu_trace, budgets, 1024, 32, run_cpu),
-        "simulated A100-40GB + OPT-13B": sweep(sim_trace, sim_budgets, 4096, 64,
+        "real engine on this CPU (tiny-gqa)": sweep(budgets, 1024, 32, run_cpu, args.passes),
+        "simulated A100-40GB + OPT-13B": sweep(sim_budgets, 4096, 64,
                                                lambda cfg, label: replay_sim(cfg.replace(), sim_trace,
                                                                              progress=f"sim {label}")),
     }
@@ -130,16 +149,23 @@ def main() -> None:
     plot(worlds, out / "chunked_prefill.png")
     cpu, sim = worlds.values()
     lo, nc = sim[0], sim[-1]
+    for row in cpu:
+        row["ttft_span"] = "{:.0f}-{:.0f}".format(*row["ranges"]["ttft_mean_ms"])
+        row["itl_span"] = "{:.1f}-{:.1f}".format(*row["ranges"]["itl_p99_ms"])
+    preempted = [r["budget"] for r in sim if r["preemptions"]]
     body = "\n".join([
         "![TTFT vs p99 ITL](chunked_prefill.png)", "",
         f"## Real engine on this CPU: tiny-gqa, 16 running decodes ({cpu_decode_out} tokens each) and 8 prompts of 250 "
-        "tokens arriving at 8/s", "",
-        table(cpu, COLUMNS), "",
-        "## Simulated A100-40GB + OPT-13B: 24 running decodes (600 tokens) and 30 prompts of 1800 tokens at 1/s", "",
+        f"tokens arriving at 8/s; each value the median of {args.passes} passes, the budgets in turn", "",
+        table(cpu, CPU_COLUMNS), "",
+        f"## Simulated A100-40GB + OPT-13B: {SIM_DECODES} running decodes (600 tokens) and 30 prompts of 1800 "
+        "tokens at 1/s", "",
         table(sim, COLUMNS), "",
         "ITL is measured over the decodes' tokens produced while long prompts were arriving and prefilling. "
         "Preemptions (a request's KV freed and recomputed when the pool runs short) stall the decodes too: "
-        "each row counts them, so a budget's effect can be told from theirs.", "",
+        "each row counts them, so a budget's effect can be told from theirs"
+        + (f" (simulated rows with preemptions: {', '.join(preempted)})." if preempted else
+           "; the simulated pool holds the workload, so no simulated row has any."), "",
         f"Headline (simulated A100): budget {lo['budget']} against no chunking "
         f"{change('the decodes p99 ITL', nc['itl_p99_ms'], lo['itl_p99_ms'], 'ms')} and "
         f"{change('the long prompts mean TTFT', nc['ttft_mean_ms'], lo['ttft_mean_ms'], 'ms')}; on the CPU engine "

@@ -70,6 +70,9 @@ Formatter = Callable[[dict, Numbers], str]
 # --- one formatter per experiment ----------------------------------------------------------------------
 def offline_throughput(d: dict, n: Numbers) -> str:
     hf, best = d["hf_s"], d["hf_best"]
+    batches = sorted(float(b) for b in hf)
+    edge = (" (the largest tried)" if best["batch"] == batches[-1] < d["num_requests"] else
+            " (the smallest tried)" if best["batch"] == batches[0] < batches[-1] else "")
     same = (f", greedy outputs identical to HF {d['llmjax_dtype']} for {n(d['identical'], 'd')} of "
             f"{n(d['num_requests'], 'd')} requests" if d.get("identical") is not None else "")
     paired = d.get("paired")
@@ -81,13 +84,14 @@ def offline_throughput(d: dict, n: Numbers) -> str:
     lc_ratio = (f"{n(lc_paired['ratio_median'], '.2f')}x (paired, {n.span(lc_paired['ratios'], '.2f')}x)" if lc_paired
                 else f"{n.ratio(lc['seconds'], lc['llmjax_s'])}x" if lc else "")
     weights = {"bf16": "bfloat16", "q4_1": "the GGUF's quantized"}.get(lc["weights"], "its") if lc else ""
-    llama_cpp = (f"; {lc_ratio} the output tokens/s of llama.cpp at its best ({weights} weights, "
+    llama_cpp = (f"; {lc_ratio} the output tokens/s of llama.cpp at the best of its settings tried ({weights} weights, "
                  f"{n(lc['seqs'], 'd')} sequences batched)" if lc else "")
     return (f"SmolLM2 on this CPU, {d['workload']} workload ({n(d['num_requests'], 'd')} requests, "
             f"{n(d['output_tokens'], 'd')} output tokens): llmjax in {d['llmjax_dtype']} "
-            f"{ratio} the output tokens/s of HF `generate` at its best "
-            f"({best['dtype']}, batch {n(best['batch'], 'd')} of {' / '.join(n(float(b), '.0f') for b in hf)}, "
-            f"{best['order']} order){same}; {n.ratio(d['achieved_flops'], d['peak_flops'], '.0%')} of the machine's "
+            f"{ratio} the output tokens/s of HF `generate` at the best of its settings tried "
+            f"({best['dtype']}, batch {n(best['batch'], 'd')} of {' / '.join(n(float(b), '.0f') for b in hf)}"
+            f"{edge}, {best['order']} order){same}; {n.ratio(d['achieved_flops'], d['peak_flops'], '.0%')} of the "
+            f"machine's "
             f"{d['llmjax_dtype']} matmul peak (its steady decode step "
             f"{n.ratio(d['decode_step_flops'], d['decode_peak_flops'], '.0%')}{floor}), where full use of it would allow at most "
             f"{n(d['ratio_ceiling'], '.1f')}x over HF on this machine{llama_cpp}")
@@ -301,8 +305,10 @@ def attention_variants(d: dict, n: Numbers) -> str:
     diffs = d["quality"]["diffs"]
     return (f"KV per token vs MHA: {' / '.join(f'{v} ' + n(rows[v]['vs_mha'], '.1%') for v in names[1:])}; "
             f"{n(d['args']['kv_budget_mib'], 'g')} MiB holds {n.join([rows[v]['capacity'] for v in names], 'd')} "
-            f"requests, decoding {n.join([rows[v]['decode_tok_s'] for v in names], '.0f')} tok/s on this CPU; "
-            f"params matched ({n.span([rows[v]['params_m'] for v in names], '.3f')} M); val loss minus MHA's over "
+            f"requests, decoding {n.join([rows[v]['decode_tok_s'] for v in names], '.0f')} tok/s on this CPU"
+            + (" (one attention implementation for all, medians of passes in turn); "
+               if "decode_span" in rows[names[0]] else "; ")
+            + f"params matched ({n.span([rows[v]['params_m'] for v in names], '.3f')} M); val loss minus MHA's over "
             f"seeds {n.span(d['quality']['seeds'], 'd')} ({n(d['quality']['confidence'], '.0%')} interval), after "
             f"{n(d['curves']['MHA'][0]['tokens'], 'd')} training tokens a run: "
             + ", ".join(f"{v} {n(x['mean'], '+.3f')} [{n(x['lo'], '+.3f')}, {n(x['hi'], '+.3f')}]"
@@ -318,8 +324,9 @@ def synergy(d: dict, n: Numbers) -> str:
     else:
         hf = f"HF `generate` at static batch {n(d['args']['slots'], 'd')} float32 (not its best batch and dtype)"
     return (f"SmolLM2 on this CPU, {n(d['args']['requests'], 'd')} requests sharing {n(d['args']['prefixes'], 'd')} "
-            f"system prompts: {hf} {n(rows[0]['tokens_per_s'], '.1f')} tok/s; each rung over the "
-            f"previous: " + " / ".join(n(r["vs_prev"], ".2f") + "x" for r in rows[1:])
+            f"system prompts: {hf} {n(rows[0]['tokens_per_s'], '.1f')} tok/s; "
+            + ("rung 1 over HF at its own dtype and batch, then " if "rung1_baseline" in d else "")
+            + "each rung over the previous: " + " / ".join(n(r["vs_prev"], ".2f") + "x" for r in rows[1:])
             + f"; the full engine {n(rows[-1]['vs_hf'], '.2f')}x HF")
 
 

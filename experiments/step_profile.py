@@ -20,7 +20,9 @@ shared, noisy CPU slows them alike; the table gives medians of wall time and of 
     python experiments/step_profile.py [--baseline-ref REV] [--cases decode,mixed,prefill]
                                        [--dtypes float32,bfloat16]
                                        [--repeats 5] [--attention-backend xla] [--wide-tables]
-                                       [--out results/step_profile.md]
+                                       [--out-name step_profile]
+
+Writes results/<out-name>.md, .json (stamped by `llmjax.provenance`) and .png (attention's share).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llmjax.cli_types import choice_list, positive_int
+from llmjax.cli_types import choice_list, non_empty, positive_int
+from llmjax.provenance import results_dir, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -110,7 +113,8 @@ def main() -> None:
     parser.add_argument("--attention-backend", default=None, help="the engine's backend (default: the platform's)")
     parser.add_argument("--wide-tables", action="store_true",
                         help="also run the engine's step with block tables twice as wide (B x 2)")
-    parser.add_argument("--out", default=None, help="also write the markdown table here")
+    parser.add_argument("--out-name", type=non_empty, default="step_profile",
+                        help="results/<name>.md, .json and .png (default %(default)s)")
     args = parser.parse_args()
 
     import jax
@@ -166,6 +170,8 @@ def main() -> None:
             jax.block_until_ready(out)
 
         compile_s = {}
+        print(f"{name}: compiling {len(variants)} variants of bucket {(t, s, b)}, then {args.repeats} rounds",
+              flush=True)
         for v, variant in variants.items():
             t0 = time.perf_counter()
             run(variant)
@@ -213,8 +219,37 @@ def main() -> None:
             f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
             + (f", baseline attention from {args.baseline_ref}" if args.baseline_ref else "") + ".")
     print("\n" + table + note)
-    if args.out:
-        Path(args.out).write_text(f"# Step profile\n\nCommand: `python {' '.join(sys.argv)}`\n\n{table}\n{note}\n")
+    shares = {d: {name: (med[f"engine {d}"][1] - med[f"no attention {d}"][1]) / med[f"engine {d}"][1]
+                  for name, _, _, med, _ in rows} for d in dtypes}
+    out = results_dir()
+    plot_shares(shares, [desc for _, desc, *_ in rows], out / f"{args.out_name}.png")
+    write_results(out, args.out_name, f"# Step profile\n\n`python experiments/step_profile.py {' '.join(sys.argv[1:])}`"
+                  f"\n\n![attention's share]({args.out_name}.png)\n\n{table}\n{note}\n",
+                  {"args": vars(args), "backend": runner.backend.name, "attention_share_cpu": shares,
+                   "cases": [{"case": name, "description": desc, "bucket": list(bucket),
+                              "wall_s": {v: m[0] for v, m in med.items()}, "cpu_s": {v: m[1] for v, m in med.items()},
+                              "compile_s": compile_s} for name, desc, bucket, med, compile_s in rows]})
+
+
+def plot_shares(shares: dict[str, dict[str, float]], descriptions: list[str], path: Path) -> None:
+    """A bar per case and dtype: attention's share of the step's CPU time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    width = 0.8 / len(shares)
+    for k, (dtype, by_case) in enumerate(shares.items()):
+        xs = [i + k * width for i in range(len(by_case))]
+        ax.bar(xs, [100 * v for v in by_case.values()], width, label=dtype)
+    ax.set_xticks([i + width * (len(shares) - 1) / 2 for i in range(len(descriptions))])
+    ax.set_xticklabels([d.split(":")[0] for d in descriptions])
+    ax.set(ylabel="attention's share of the step (%)", ylim=(0, 100), title="where a jitted step's time goes")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
