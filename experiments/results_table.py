@@ -325,7 +325,7 @@ def synergy(d: dict, n: Numbers) -> str:
         hf = f"HF `generate` at static batch {n(d['args']['slots'], 'd')} float32 (not its best batch and dtype)"
     return (f"SmolLM2 on this CPU, {n(d['args']['requests'], 'd')} requests sharing {n(d['args']['prefixes'], 'd')} "
             f"system prompts: {hf} {n(rows[0]['tokens_per_s'], '.1f')} tok/s; "
-            + ("rung 1 over HF at its own dtype and batch, then " if "rung1_baseline" in d else "")
+            + ("the first rung over HF at its own dtype and batch, then " if "rung1_baseline" in d else "")
             + "each rung over the previous: " + " / ".join(n(r["vs_prev"], ".2f") + "x" for r in rows[1:])
             + f"; the full engine {n(rows[-1]['vs_hf'], '.2f')}x HF")
 

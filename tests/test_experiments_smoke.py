@@ -31,7 +31,7 @@ def test_replay_sim_every_policy_finishes_with_sane_stats(policy):
 
 def test_chunking_lowers_itl_and_raises_ttft_in_the_simulator():
     reqs = chunked_prefill.workload(0, 50000, decodes=16, decode_out=200, longs=6, long_len=1800, rate=1.0, start=1.0)
-    rows = chunked_prefill.sweep(reqs, [256], 2048, 32, lambda cfg, label: replay_sim(cfg, reqs))
+    rows = chunked_prefill.sweep([256], 2048, 32, lambda cfg, label: replay_sim(cfg, reqs))
     chunked, whole = rows
     assert chunked["itl_p99_ms"] < whole["itl_p99_ms"]
     assert chunked["ttft_mean_ms"] > whole["ttft_mean_ms"]
@@ -41,7 +41,7 @@ def test_chunking_sweep_says_so_when_no_decode_token_falls_while_long_prompts_ar
     # The decodes (4 tokens) end long before the long prompts arrive at 5 s: no ITL to measure.
     reqs = chunked_prefill.workload(0, 50000, decodes=4, decode_out=4, longs=2, long_len=256, rate=1.0, start=5.0)
     with pytest.raises(RuntimeError, match="no decode token fell"):
-        chunked_prefill.sweep(reqs, [256], 2048, 32, lambda cfg, label: replay_sim(cfg, reqs))
+        chunked_prefill.sweep([256], 2048, 32, lambda cfg, label: replay_sim(cfg, reqs))
 
 
 def test_kv_formula_matches_config_and_capacity_scales():
