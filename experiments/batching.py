@@ -46,11 +46,13 @@ CPU_DIST = LengthDist("short", mean_prompt=80, mean_output=40, sigma_prompt=0.8,
 POLICIES = ("static", "dynamic", "continuous", "continuous + chunked")
 CAPACITY_COLUMNS = [("policy", "policy", ""), ("tokens_per_s", "output tok/s", ".1f"),
                     ("speedup", "vs static", ".2f"), ("duration_s", "makespan (s)", ".2f"),
-                    ("steps", "steps", "d"), ("ms_per_step", "ms per step", ".1f"), ("idle_slots", "idle slots", ".0%")]
+                    ("steps", "steps", "d"), ("ms_per_step", "ms per step", ".1f"), ("idle_slots", "idle slots", ".0%"),
+                    ("preemptions", "preemptions", "d")]
 LOAD_COLUMNS = [("policy", "policy", ""), ("tokens_per_s", "served tok/s", ".1f"),
                 ("ttft_p50_ms", "TTFT p50 (ms)", ".0f"), ("ttft_p99_ms", "TTFT p99 (ms)", ".0f"),
                 ("tpot_p50_ms", "TPOT p50 (ms)", ".1f"), ("itl_p99_ms", "ITL p99 (ms)", ".1f"),
-                ("itl_max_ms", "ITL max (ms)", ".0f"), ("idle_slots", "idle slots", ".0%")]
+                ("itl_max_ms", "ITL max (ms)", ".0f"), ("idle_slots", "idle slots", ".0%"),
+                ("preemptions", "preemptions", "d")]
 
 
 def configs(slots: int, max_model_len: int, chunk: int, max_delay: float) -> dict[str, EngineConfig]:
@@ -64,8 +66,9 @@ def configs(slots: int, max_model_len: int, chunk: int, max_delay: float) -> dic
 
 
 def rows_of(replays: dict) -> list[dict]:
-    """One row of `Replay.stats` per policy, with its tokens/s over the first (static) policy's."""
-    rows = [{"policy": p, **r.stats()} for p, r in replays.items()]
+    """One row of `Replay.stats` per policy, with its tokens/s over the first (static) policy's and its
+    preemptions (a request's KV freed for recompute when the pool ran short: its decodes stall)."""
+    rows = [{"policy": p, **r.stats(), "preemptions": r.extra["preemptions"]} for p, r in replays.items()]
     for row in rows:
         row["speedup"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
     return rows
