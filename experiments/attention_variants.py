@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from common import EngineConfig, alternating, results_dir, table, write_report  # noqa: E402
-from llmjax.cli_types import positive_int, positive_finite, non_negative_int_list  # noqa: E402
+from llmjax.cli_types import non_negative_int_list, parse_quick, positive_finite, positive_int  # noqa: E402
 from llmjax.config import PRESETS, ModelConfig  # noqa: E402
 from llmjax.kv.manager import KVCacheManager  # noqa: E402
 from llmjax.sampling_params import SamplingParams  # noqa: E402
@@ -264,9 +264,7 @@ def main() -> None:
                     help="comma-separated training seeds (at least 2)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 20 training steps, seeds 0,1, 16 decode "
                     "tokens; written to build/results-quick/")
-    args = ap.parse_args()
-    if args.quick:
-        args.train_steps, args.seeds, args.decode_tokens, args.decode_rounds = 20, [0, 1], 16, 1
+    args = parse_quick(ap, dict(train_steps=20, seeds=[0, 1], decode_tokens=16, decode_rounds=1))
     seeds = args.seeds
     if len(seeds) < 2:
         ap.error("--seeds needs at least two seeds for an interval")

@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 
 from common import EngineConfig, all_at_once, change, make_engine, plot_timeline, replay_engine, replay_sim, \
     results_dir, table, warm_engine, write_report  # noqa: E402
-from llmjax.cli_types import positive_int, non_negative_int, positive_finite  # noqa: E402
+from llmjax.cli_types import non_negative_int, parse_quick, positive_finite, positive_int  # noqa: E402
 from llmjax.workloads import SHAREGPT, LengthDist  # noqa: E402
 from paper_repro.traces import length_trace  # noqa: E402
 
@@ -153,9 +153,7 @@ def main() -> None:
     ap.add_argument("--seed", type=non_negative_int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: 16 CPU / 100 simulated requests, "
                     "written to build/results-quick/")
-    args = ap.parse_args()
-    if args.quick:
-        args.requests, args.sim_requests = 16, 100
+    args = parse_quick(ap, dict(requests=16, sim_requests=100))
     out = results_dir(args.quick)
 
     cpu_trace = length_trace(CPU_DIST, args.requests, args.rate, args.seed, vocab=512, max_model_len=256,

@@ -31,10 +31,11 @@ import httpx
 import numpy as np
 
 from common import (add_stream_args, alternating, change, cpu_seconds, free_port,  # experiments/common.py
-                    medians_by, parse_stream_args, plot_bars, results_dir, server_process, stream_server_args,
+                    medians_by, plot_bars, results_dir, server_process, stream_server_args,
                     table, write_report)
 
 from llmjax.bench import RequestResult, stream_completion, stream_session
+from llmjax.cli_types import parse_quick
 
 CLIENTS = ("httpx", "aiohttp")
 
@@ -105,7 +106,7 @@ def run_one(kind: str, url: str, server_pid: int, payloads: list[dict], concurre
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_stream_args(ap, num_prompts=384, quick_help="one round, 32 streams of 16 tokens")
-    args = parse_stream_args(ap, quick=dict(rounds=1, num_prompts=32, concurrency=32, output_len=16))
+    args = parse_quick(ap, dict(rounds=1, num_prompts=32, concurrency=32, output_len=16))
     rng = np.random.default_rng(args.seed)
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 from common import EngineConfig, TraceRequest, alternating, change, make_engine, medians_by, replay_engine, \
     replay_sim, results_dir, table, warm_engine, write_report  # noqa: E402
-from llmjax.cli_types import non_negative_int, positive_int, positive_int_list  # noqa: E402
+from llmjax.cli_types import non_negative_int, parse_quick, positive_int, positive_int_list  # noqa: E402
 from paper_repro.traces import poisson_arrivals, random_tokens  # noqa: E402
 
 
@@ -119,9 +119,7 @@ def main() -> None:
                     help="passes of every CPU budget, in turn (the simulator is deterministic: one)")
     ap.add_argument("--quick", action="store_true", help="smoke run: one CPU budget, shorter decodes, two simulated "
                     "budgets; written to build/results-quick/")
-    args = ap.parse_args()
-    if args.quick:
-        args.budgets, args.sim_budgets, args.passes = [64], [256, 1024], 1
+    args = parse_quick(ap, dict(budgets=[64], sim_budgets=[256, 1024], passes=1))
     out = results_dir(args.quick)
     cpu_decode_out = 400 if args.quick else 700  # enough that the decodes outlast the long prompts' arrivals
     budgets, sim_budgets = args.budgets, args.sim_budgets

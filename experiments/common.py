@@ -15,9 +15,8 @@ counts them; normally 0).
 For the experiments that load a server in a subprocess (`stream_interval.py`, `bench_client.py`,
 `router_overhead.py`, `load.py`, `routing.py`): `free_port`, `server_process` (start it, wait for
 its `/health`, stop it), `add_stream_args` / `stream_server_args` (a streamed workload's flags and
-the server's, sized for it), `parse_stream_args`, `alternating` (the
-order of the runs over the rounds), `cpu_seconds` (a process's or thread's CPU time from /proc), and
-`medians_by` / `plot_bars` (medians per setting, drawn as bars with every run's value).
+the server's, sized for it), `alternating` (the order of the runs over the rounds), `cpu_seconds`
+(a process's or thread's CPU time from /proc), and `medians_by` / `plot_bars` (medians per setting, drawn as bars with every run's value).
 """
 
 from __future__ import annotations
@@ -341,7 +340,7 @@ def stream_server_args(args: argparse.Namespace) -> list[str]:
 def add_stream_args(ap: argparse.ArgumentParser, num_prompts: int, quick_help: str) -> None:
     """The flags of a streamed-serving experiment: a model served by a fresh server, rounds of
     `--num-prompts` streamed completions of `--input-len` + `--output-len` tokens, `--concurrency`
-    in flight (`stream_server_args` sizes the server for them), and `--quick` (see `parse_stream_args`)."""
+    in flight (`stream_server_args` sizes the server for them), and `--quick` (`llmjax.cli_types.parse_quick`)."""
     ap.add_argument("--quick", action="store_true", help=f"smoke run: {quick_help}; written to build/results-quick/")
     ap.add_argument("--model", default="tiny-gqa")
     ap.add_argument("--rounds", type=positive_int, default=3)
@@ -350,15 +349,6 @@ def add_stream_args(ap: argparse.ArgumentParser, num_prompts: int, quick_help: s
     ap.add_argument("--input-len", type=positive_int, default=16)
     ap.add_argument("--output-len", type=positive_int, default=128)
     ap.add_argument("--seed", type=non_negative_int, default=0)
-
-
-def parse_stream_args(ap: argparse.ArgumentParser, quick: dict) -> argparse.Namespace:
-    """Parse the flags of `add_stream_args` (and the script's own); with `--quick`, `quick`'s values
-    replace theirs."""
-    args = ap.parse_args()
-    if args.quick:
-        vars(args).update(quick)
-    return args
 
 
 def best_time(call, repeats: int, warm_up: bool = False) -> float:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import alternating, best_time, table, write_report  # noqa: E402
 from offline_throughput import memory_bandwidth  # noqa: E402
 
-from llmjax.cli_types import positive_int, positive_int_list, choice_list  # noqa: E402
+from llmjax.cli_types import choice_list, parse_quick, positive_int, positive_int_list  # noqa: E402
 from llmjax.cpu_flags import apply_cpu_flags  # noqa: E402
 from llmjax.provenance import results_dir  # noqa: E402
 
@@ -175,9 +175,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=positive_int, default=5, help="calls per build per round (the best counts)")
     ap.add_argument("--out-name", default="decode_attention")
     ap.add_argument("--quick", action="store_true", help="2 rounds, 8 rows at 64 keys, bfloat16 (a smoke run)")
-    args = ap.parse_args()
-    if args.quick:
-        args.contexts, args.rows, args.dtypes, args.rounds, args.repeats = [64], 8, ["bfloat16"], 2, 2
+    args = parse_quick(ap, dict(contexts=[64], rows=8, dtypes=["bfloat16"], rounds=2, repeats=2))
     contexts, dtypes = args.contexts, args.dtypes
 
     targets = load_builds()

@@ -64,6 +64,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from llmjax.attention import native  # noqa: E402
+from llmjax.cli_types import parse_quick  # noqa: E402
 from llmjax.provenance import results_dir, write_results  # noqa: E402
 
 PHASES = ("schedule", "prepare", "dispatch", "update", "output")
@@ -396,9 +397,7 @@ def main() -> None:
                     "emulated device; written to build/results-quick/")
     ap.add_argument("--out-name", default="host_overhead", help="results/<name>.md|json|png (another machine's run "
                     "keeps its own)")
-    args = ap.parse_args()
-    if args.quick:
-        args.concurrency, args.steps, args.blocks, args.idle_device_ms = "64,256", 5, 2, "2"
+    args = parse_quick(ap, dict(concurrency="64,256", steps=5, blocks=2, idle_device_ms="2"))
     if 8 + (args.blocks + 1) * args.steps + 8 > MAX_TOKENS:  # + 1: the block with the runtime calls timed
         ap.error(f"(blocks + 1) x steps must stay below {MAX_TOKENS - 16} (each request's output length)")
     levels = [int(c) for c in args.concurrency.split(",")]

@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from common import results_dir, write_report  # noqa: E402
-from llmjax.cli_types import positive_int, non_negative_int  # noqa: E402
+from llmjax.cli_types import non_negative_int, parse_quick, positive_int  # noqa: E402
 from llmjax.kv import KVCacheManager  # noqa: E402
 
 VOCAB = 32000
@@ -164,9 +164,7 @@ def main() -> None:
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 2000 requests, 200 decode steps, "
                    "written to build/results-quick/")
-    args = p.parse_args()
-    if args.quick:
-        args.num_requests, args.decode_steps = 2000, 200
+    args = parse_quick(p, dict(num_requests=2000, decode_steps=200))
 
     prompts, outputs = build_stream(args)
     longest = max(len(prompt) + out for prompt, out in zip(prompts, outputs))

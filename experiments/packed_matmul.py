@@ -34,6 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmjax.cpu_flags import apply_cpu_flags  # noqa: E402
+from llmjax.cli_types import parse_quick  # noqa: E402
 from llmjax.provenance import results_dir, write_results  # noqa: E402
 
 apply_cpu_flags()  # the engine's XLA flags, before JAX starts its backend
@@ -191,9 +192,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 round, 2 passes of small workloads, "
                     "written to build/results-quick/")
     ap.add_argument("--out-name", default="packed_matmul")
-    args = ap.parse_args()
-    if args.quick:
-        args.rounds, args.repeats, args.passes = 1, 2, 2
+    args = parse_quick(ap, dict(rounds=1, repeats=2, passes=2))
 
     from llmjax.models.loader import load_model
     from llmjax.ops import packed_matmul as pmm

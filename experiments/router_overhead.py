@@ -24,10 +24,11 @@ import tempfile
 
 
 from common import (add_stream_args, alternating, change, cpu_seconds, free_port,  # experiments/common.py
-                    medians_by, parse_stream_args, plot_bars, results_dir, server_process, stream_server_args,
+                    medians_by, plot_bars, results_dir, server_process, stream_server_args,
                     table, write_report)
 
 from llmjax.bench import add_bench_args, run_bench
+from llmjax.cli_types import parse_quick
 
 PATHS = ("direct", "router")
 
@@ -57,7 +58,7 @@ def run_one(path: str, urls: dict[str, str], router_pid: int, args: argparse.Nam
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_stream_args(ap, num_prompts=384, quick_help="one round, 32 streams of 16 tokens")
-    args = parse_stream_args(ap, quick=dict(rounds=1, num_prompts=32, concurrency=32, output_len=16))
+    args = parse_quick(ap, dict(rounds=1, num_prompts=32, concurrency=32, output_len=16))
     replica_port = free_port(2)  # the replica's port, then the router's
     port = replica_port + 1
     urls = {"router": f"http://127.0.0.1:{port}", "direct": f"http://127.0.0.1:{replica_port}"}

@@ -64,6 +64,7 @@ import numpy as np
 from tqdm import tqdm
 
 from llmjax.bench import percentiles, run_jobs, stream_session, summarize
+from llmjax.cli_types import parse_quick
 from llmjax.config import PRESETS, EngineConfig
 from llmjax.kv import KVCacheManager
 from llmjax.request import Request
@@ -439,9 +440,7 @@ def main() -> None:
                         "requests per group; written to build/results-quick/")
     parser.add_argument("server_args", nargs="*", help="after --: flags for every replica (default for tiny "
                         "presets: " + " ".join(TINY_SERVER_ARGS) + " and a KV pool sized by tiny_server_args)")
-    args = parser.parse_args()
-    if args.quick:
-        args.skip_http, args.sim_replicas, args.per_group = True, [2], 3
+    args = parse_quick(parser, dict(skip_http=True, sim_replicas=[2], per_group=3))
     out = results_dir(args.quick)
     if not args.server_args and args.model in PRESETS:
         args.server_args = tiny_server_args(args)

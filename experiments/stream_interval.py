@@ -35,11 +35,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from common import (add_stream_args, alternating, change, cpu_seconds, free_port,  # experiments/common.py
-                    medians_by, parse_stream_args, results_dir, server_process, stream_server_args, table,
+                    medians_by, results_dir, server_process, stream_server_args, table,
                     write_report)
 
-from llmjax.cli_types import positive_int_list  # noqa: E402
 from llmjax.bench import add_bench_args, run_bench  # noqa: E402
+from llmjax.cli_types import parse_quick, positive_int_list  # noqa: E402
 
 def run_one(args: argparse.Namespace, interval: int, log) -> dict:
     """One fresh server at `interval`, one bench against it; the run's figures."""
@@ -104,7 +104,7 @@ def main() -> None:
     add_stream_args(ap, num_prompts=512, quick_help="intervals 1 and 4, one round, 64 streams of 32 tokens")
     ap.add_argument("--intervals", type=positive_int_list, default="1,2,4,8")
     ap.add_argument("server_args", nargs="*", help="more flags for the server (after --)")
-    args = parse_stream_args(ap, quick=dict(intervals=[1, 4], rounds=1, num_prompts=64, concurrency=64, output_len=32))
+    args = parse_quick(ap, dict(intervals=[1, 4], rounds=1, num_prompts=64, concurrency=64, output_len=32))
     intervals = args.intervals
     runs = []
     with tempfile.NamedTemporaryFile("w", prefix="stream-interval-", suffix=".log", delete=False) as log:

@@ -42,7 +42,7 @@ from tqdm import tqdm  # noqa: E402
 
 from common import EngineConfig, Replay, Timing, TraceRequest, make_engine, replay_engine, results_dir, table, \
     warm_engine, write_report  # noqa: E402
-from llmjax.cli_types import positive_int, non_negative_int, positive_int_list  # noqa: E402
+from llmjax.cli_types import non_negative_int, parse_quick, positive_int, positive_int_list  # noqa: E402
 from llmjax.workloads import lognormal_lengths  # noqa: E402
 from paper_repro.traces import random_tokens  # noqa: E402
 
@@ -149,9 +149,7 @@ def main() -> None:
     ap.add_argument("--seed", type=non_negative_int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 requests, HF batches 4,8; written to "
                     "build/results-quick/")
-    args = ap.parse_args()
-    if args.quick:
-        args.requests, args.hf_batches = 8, [4, 8]
+    args = parse_quick(ap, dict(requests=8, hf_batches=[4, 8]))
     out = results_dir(args.quick)
     import torch
 

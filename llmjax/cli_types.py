@@ -142,3 +142,17 @@ def choice_list(*choices: str):
             raise argparse.ArgumentTypeError(f"an item is listed twice in {text!r}")
         return items
     return parse
+
+
+_UNSET = object()
+
+
+def parse_quick(parser: argparse.ArgumentParser, quick: dict, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse an experiment's flags (it has `--quick`, a smoke run). With `--quick`, each of `quick`'s
+    values replaces its flag's default; a flag given on the command line keeps its value, so a smoke
+    run can still be pointed at one setting."""
+    args = parser.parse_args(argv)
+    if args.quick:
+        given = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(quick, _UNSET)))
+        vars(args).update({name: value for name, value in quick.items() if getattr(given, name) is _UNSET})
+    return args

@@ -31,6 +31,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
+from llmjax.cli_types import parse_quick
 from llmjax.config import EngineConfig
 from llmjax.engine import LLMEngine
 from llmjax.provenance import results_dir, write_results
@@ -314,9 +315,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: the simulator part only, at fewer block "
                         "sizes; written to build/results-quick/")
     parser.add_argument("--out", type=Path, default=None, help="default: results/ (quick: build/results-quick/)")
-    args = parser.parse_args()
+    args = parse_quick(parser, dict(skip_engine=True))
     if args.quick:
-        args.skip_engine = True
         BLOCK_SIZES[:] = [8, 16, 64]
     out = args.out or results_dir(args.quick)
     memory = memory_sweep(args.seeds[0])

@@ -29,6 +29,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
+from llmjax.cli_types import parse_quick
 from llmjax.config import EngineConfig
 from llmjax.kv import KVCacheManager
 from llmjax.kv.contiguous import ContiguousKVCache, SlotBreakdown
@@ -237,9 +238,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: 300 requests, one seed; written to "
                         "build/results-quick/")
     parser.add_argument("--out", type=Path, default=None, help="default: results/ (quick: build/results-quick/)")
-    args = parser.parse_args()
-    if args.quick:
-        args.requests, args.seeds = 300, 1
+    args = parse_quick(parser, dict(requests=300, seeds=1))
     out = args.out or results_dir(args.quick)
     seeds = list(range(args.seeds))
     runs = run_all(SHAREGPT, args.requests, seeds, "ShareGPT")

@@ -36,6 +36,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
+from llmjax.cli_types import parse_quick
 from llmjax.config import EngineConfig
 from llmjax.engine import LLMEngine
 from llmjax.outputs import OutputAccumulator, RequestOutput
@@ -470,9 +471,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: the simulator at two pool sizes, no "
                         "engine; written to build/results-quick/")
     parser.add_argument("--out", type=Path, default=None, help="default: results/ (quick: build/results-quick/)")
-    args = parser.parse_args()
-    if args.quick:
-        args.skip_engine, args.pool_tokens = True, [4096, 65536]
+    args = parse_quick(parser, dict(skip_engine=True, pool_tokens=[4096, 65536]))
     out = args.out or results_dir(args.quick)
     engine = None if args.skip_engine else engine_part(args)
     scale = scale_part(args)

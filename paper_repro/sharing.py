@@ -44,6 +44,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from llmjax.kv.block_pool import BlockPool  # noqa: E402
+from llmjax.cli_types import parse_quick  # noqa: E402
 from llmjax.provenance import results_dir, write_results  # noqa: E402
 from llmjax.workloads import ALPACA, SHAREGPT, LengthDist, lognormal_lengths  # noqa: E402
 
@@ -251,9 +252,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run: 30 requests (engine 4); written to "
                     "build/results-quick/")
     ap.add_argument("--out", type=Path, default=None, help="default: results/ (quick: build/results-quick/)")
-    args = ap.parse_args()
-    if args.quick:
-        args.requests, args.engine_requests = 30, 4
+    args = parse_quick(ap, dict(requests=30, engine_requests=4))
     out = args.out or results_dir(args.quick)
     results = {dist.name: run(dist, args.requests, args.seed) for dist in (ALPACA, SHAREGPT)}
     engine = engine_part(args.engine_requests, args.seed)

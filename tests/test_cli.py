@@ -227,6 +227,23 @@ def test_worker_urls_and_router_defaults_as_parsed():
     assert (policy.cache_threshold, policy.max_tree_chars) == (0.0, 64)
 
 
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], (100, [0, 1, 2], False)),
+    (["--quick"], (5, [0], False)),
+    (["--quick", "--requests", "50"], (50, [0], False)),
+    (["--quick", "--requests", "100"], (100, [0], False)),  # given, though equal to the default
+    (["--seeds", "7", "--quick", "--skip-engine"], (5, [7], True)),
+])
+def test_quick_replaces_only_the_defaults_of_flags_not_given(argv, expected):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--requests", type=cli_types.positive_int, default=100)
+    parser.add_argument("--seeds", type=cli_types.non_negative_int_list, default=[0, 1, 2])
+    parser.add_argument("--skip-engine", action="store_true")
+    args = cli_types.parse_quick(parser, dict(requests=5, seeds=[0]), argv)
+    assert (args.requests, args.seeds, args.skip_engine) == expected
+
 @pytest.mark.parametrize("argv, message", [
     (["serve", "--port", "65536"], "argument --port: expected a port in 0..65535"),
     (["router", "--workers", "http://h:1", "--port", "-1"], "argument --port: expected a port in 0..65535"),
