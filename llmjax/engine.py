@@ -97,18 +97,19 @@ def prompt_too_long(exc: TextTooLong, max_model_len: int, param: str = "prompt")
                         "length of the prompt.", param)
 
 
-def check_fits_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+def check_fits_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                       max_tokens_field: str = "max_tokens") -> None:
     """`RequestError` (vLLM's message) for a prompt that leaves no room to generate in `max_model_len`
     tokens, or, with `max_tokens` given, a prompt plus `max_tokens` beyond it: the OpenAI server's
     rule (the engine itself caps such a request at `max_model_len`, finish reason "length", as
-    vLLM's engine does)."""
+    vLLM's engine does). `max_tokens_field`: the name the client gave `max_tokens`."""
     wanted = num_prompt_tokens + (max_tokens or 1)
     if num_prompt_tokens >= max_model_len or wanted > max_model_len:
         raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested {wanted} "
             f"tokens ({num_prompt_tokens} in the prompt, {max_tokens or 1} for the completion). "
-            "Please reduce the length of the prompt or max_tokens.",
-            "max_tokens" if num_prompt_tokens < max_model_len else "prompt",
+            f"Please reduce the length of the prompt or {max_tokens_field}.",
+            max_tokens_field if num_prompt_tokens < max_model_len else "prompt",
         )
 
 
@@ -605,12 +606,14 @@ class LLMEngine:
         """What `request` added since its last output (text held back while it may start a stop string)."""
         params = request.sampling_params
         output_ids = request.output_token_ids
-        if state.detokenized < len(output_ids):  # ended (aborted, failed) before its text was made
-            try:
-                state.detokenize(output_ids)
-            except Exception:
-                log.exception("request %s: its text could not be made", request.request_id)
         finish_reason = request.finish_reason
+        try:
+            if state.detokenized < len(output_ids):  # ended (aborted, failed) before its text was made
+                state.detokenize(output_ids)
+            if finish_reason is not None and not isinstance(request.stop_reason, str):
+                state.unreturned += state.detokenizer.finish()  # e.g. a character the last token left incomplete
+        except Exception:
+            log.exception("request %s: its text could not be made", request.request_id)
         text = state.unreturned
         if text and params.stop and finish_reason is None:
             cut = max(0, len(text) - max(map(len, params.stop)) + 1)

@@ -265,8 +265,9 @@ def load_tokenizer(source: ModelSource, eos_token_ids: Sequence[int] = ()) -> To
 
 class IncrementalDetokenizer:
     """Text deltas for a growing token list: `add(id)` returns the text the new id completes
-    (possibly empty); the deltas concatenate to the decoded output, never ending in half of a
-    multi-byte character split across tokens.
+    (possibly empty), never ending in half of a multi-byte character split across tokens; once the
+    output is complete, `finish()` returns what was held back. Together they concatenate to the
+    decoded output.
 
     One strategy per tokenizer, all giving the same text:
     - a byte-level vocabulary (GPT-2's alphabet: SmolLM2, Llama 3, Qwen): each id's bytes
@@ -345,3 +346,19 @@ class IncrementalDetokenizer:
             self.read_offset = len(self.ids)
             return delta
         return ""
+
+    def finish(self) -> str:
+        """The text held back at the end of the output (the output is complete): an incomplete
+        character as U+FFFD, as `decode` shows it; the windowed and streamed strategies also give the
+        text of the ids they held back with it. Later calls return ""."""
+        if isinstance(self.tokenizer, CharTokenizer):
+            return ""
+        if self.add == self._add_bytes:
+            return self._utf8(b"", True)
+        if self.read_offset == len(self.ids):
+            return ""
+        skip = self.skip_special_tokens
+        before = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
+        after = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=skip)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return after[len(before) :]

@@ -13,7 +13,7 @@ from llmjax.config import EngineConfig
 from llmjax.engine import LLMEngine
 from llmjax.models.loader import embedded_model_path, load_model
 from llmjax.outputs import Logprob
-from llmjax.sampling_params import SamplingParams
+from llmjax.sampling_params import RequestOutputKind, SamplingParams
 from llmjax.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from tests.engine_helpers import assert_logprob_ranks_and_texts, drain
 
@@ -234,12 +234,14 @@ def test_detokenizer_strategies_give_the_same_text_and_the_stream_falls_back(our
             failing._step = step
             assert "".join(failing.add(t) for t in ids) == expected
             assert failing.add == failing._add_windowed
+            for detokenizer in (by_bytes, streamed, windowed, failing):  # nothing held back at the end
+                assert detokenizer.finish() == ""
 
 
 def test_byte_table_text_is_the_tokenizers_decode_on_random_ids(ours):
     """Random ids after a prompt (special tokens, characters split across tokens, invalid UTF-8) give
-    the byte-table strategy the text the tokenizer decodes, less the U+FFFD of an incomplete
-    character at the end (one or two), which it holds back."""
+    the byte-table strategy the text the tokenizer decodes: while the output grows, less the U+FFFD of
+    an incomplete character at the end (one or two), which it holds back; with `finish()`, all of it."""
     _, tokenizer = ours
     rng = np.random.default_rng(0)
     prompt_ids = tokenizer.encode("Tell me: 東京", add_special_tokens=False)
@@ -254,7 +256,55 @@ def test_byte_table_text_is_the_tokenizers_decode_on_random_ids(ours):
             text = "".join(deltas)
             assert expected.startswith(text) and set(expected[len(text):]) <= {"\ufffd"}, (ids, skip)
             assert len(expected) - len(text) <= 2
+            assert text + detokenizer.finish() == expected and detokenizer.finish() == ""
 
+
+def _split_character_ids(tokenizer) -> list[int]:
+    """Ids of a text cut after a token that holds only the first bytes of a character."""
+    ids = tokenizer.encode(" ok 東京タワー 🌍🚀", add_special_tokens=False)
+    table = tokenizer.byte_table(True)
+    cuts = [n for n in range(1, len(ids))
+            if table[ids[n - 1]][0] >= 0xC0 and tokenizer.decode(ids[n - 1:n]) == "\ufffd"]
+    assert cuts, "the sample should contain a character split across tokens"
+    return ids[:cuts[-1]]
+
+
+def test_every_detokenizer_strategy_gives_the_held_back_text_when_the_output_ends(ours, monkeypatch):
+    """An output that ends inside a character: each strategy's deltas and `finish()` make the
+    tokenizer's decode, U+FFFD included, as HF's `decode` gives it."""
+    _, tokenizer = ours
+    prompt_ids = tokenizer.encode("Say:", add_special_tokens=False)
+    ids = _split_character_ids(tokenizer)
+    expected = tokenizer.decode(prompt_ids + ids)[len(tokenizer.decode(prompt_ids)):]
+    by_bytes = IncrementalDetokenizer(tokenizer, prompt_ids)
+    streamed = _without_byte_table(tokenizer, monkeypatch, prompt_ids)
+    windowed = IncrementalDetokenizer(tokenizer, prompt_ids)
+    windowed.add = windowed._add_windowed
+    for detokenizer in (by_bytes, streamed, windowed):
+        text = "".join(detokenizer.add(t) for t in ids)
+        assert text != expected and text + detokenizer.finish() == expected
+        assert detokenizer.finish() == ""
+
+
+@pytest.mark.parametrize("output_kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
+def test_engine_text_of_an_output_ending_inside_a_character_is_the_decode(ours, output_kind):
+    """A request whose last token leaves a character incomplete (ended by max_tokens, or by a stop id
+    whose text is kept): its text is HF's decode of its tokens, U+FFFD included, streamed or not."""
+    loaded, tokenizer = ours
+    engine = LLMEngine(loaded, tokenizer, EngineConfig(max_num_seqs=4, max_model_len=64, kv_cache_memory_bytes=8 << 20))
+    split = _split_character_ids(tokenizer)[-1]
+    forced = [SamplingParams(temperature=0, max_tokens=1, logit_bias={split: 100}, output_kind=output_kind),
+              SamplingParams(temperature=0, max_tokens=3, logit_bias={split: 100}, output_kind=output_kind,
+                             stop_token_ids=[split], include_stop_str_in_output=True)]
+    ids = [engine.add_request("Hello", params) for params in forced]
+    texts, tokens = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            texts[out.request_id] = texts.get(out.request_id, "") + out.outputs[0].text
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    for rid in ids:
+        assert tokens[rid] == [split] and texts[rid] == tokenizer.hf.decode([split]) == "\ufffd"
+    engine.check_kv_invariants()
 
 def test_engine_greedy_equals_hf_generate(hf, ours):
     """All prompts at once, a few requests per step, chunked prefill on (budget 32 tokens)."""
