@@ -250,6 +250,15 @@ def test_completion_errors(client, body, status, param, message):
     assert complete(client, prompt="still fine", max_tokens=2)["choices"][0]["finish_reason"]
 
 
+@pytest.mark.parametrize("route, body", [("/v1/completions", {"prompt": "x"}),
+                                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})])
+def test_an_empty_or_missing_model_name_is_the_served_model(client, route, body):
+    """As in vLLM: a request without a model name, or with an empty one, is served by the model."""
+    for named in ({}, {"model": ""}, {"model": None}):
+        r = client.post(route, json={**body, **named, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == MODEL, (named, r.text)
+
+
 class EchoBody(pydantic.BaseModel):
     text: str
 
@@ -310,10 +319,14 @@ def test_a_body_not_sent_as_json_is_told_so(client, content_type):
     ({"messages": [{"role": "user", "content": "x"}], "temperature": -2}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "x" * 200}]}, 400, "prompt"),
     ({"messages": [{"role": "user", "content": "x"}], "model": "other"}, 404, "model"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 500}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 500}, 400, "max_completion_tokens"),
 ])
 def test_chat_errors(client, body, status, param):
     r = client.post("/v1/chat/completions", json={"model": MODEL, **body} if "model" not in body else body)
     assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+    if param.startswith("max_"):  # the context-length refusal names the field the client sent
+        assert r.json()["error"]["message"].endswith(f"reduce the length of the prompt or {param}."), r.text
     ok = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                    "max_tokens": 2})
     assert ok.status_code == 200
@@ -1183,6 +1196,46 @@ def test_a_stream_interval_sends_several_tokens_per_event_with_their_logprobs_an
     assert joined == whole["logprobs"]  # tokens, logprobs, top logprobs and text offsets
     assert "".join(e["choices"][0]["text"] for e in events) == whole["text"]
     assert len(chat) == 1 + 4  # the role, then the same four events
+
+def test_an_echo_with_logprobs_aborted_before_its_prompt_is_computed_ends_with_abort(monkeypatch):
+    """A streamed echo with logprobs still queued when the server stops: its prompt has no logprobs
+    yet, so the echoed tokens' entries are null and the stream ends as any other aborted one (the
+    prompt, finish reason "abort", `[DONE]`), not with a server error."""
+    monkeypatch.setattr(asgi, "GRACEFUL_SHUTDOWN_S", 1.0)
+    engine = tiny_engine(max_num_seqs=1, max_model_len=64)
+    step = engine.step
+
+    def slow_step():  # the running request outlasts the grace period
+        time.sleep(0.03)
+        return step()
+
+    engine.step = slow_step
+    app = build_app(engine, MODEL)
+    url, thread, status = serve_in_thread(app)
+    running = {"model": MODEL, "prompt": "x", "max_tokens": 50, "ignore_eos": True, "stream": True}
+    echo = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "echo": True, "logprobs": 1, "stream": True}
+    queued: list[str] = []
+    later = threading.Thread(target=lambda: queued.append(httpx.post(f"{url}/v1/completions", json=echo,
+                                                                     timeout=60).text))
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=running, timeout=60) as r:
+            for line in r.iter_lines():  # read to its end: it holds the slot until the abort
+                if line.startswith("data: ") and not later.is_alive() and not queued:
+                    later.start()  # the slot is taken: the echo waits in the queue
+                    while len(engine.scheduler.waiting) < 1:
+                        time.sleep(0.01)
+                    app.state.server.async_engine.on_dead()
+        later.join(60)
+    finally:
+        app.state.server.async_engine.on_dead()
+        thread.join(60)
+    chunks = sse_events(queued[0])
+    assert chunks and all("error" not in c for c in chunks), queued
+    choice = chunks[-1]["choices"][0]
+    assert choice["finish_reason"] == "abort" and choice["text"] == "hello", choice
+    assert choice["logprobs"]["token_logprobs"] == [None] * len(choice["logprobs"]["tokens"]), choice
+    assert status == [0]
+
 
 def test_a_stream_still_going_when_the_grace_period_ends_is_aborted_and_ends_cleanly(monkeypatch):
     """Stopping lets open responses go on for the grace period (here 1 s); a stream still going

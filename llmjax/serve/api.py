@@ -113,6 +113,13 @@ def _raise_if_failed(output: RequestOutput) -> None:
         raise RequestFailedError(output.error)
 
 
+def _echoed_prompt_logprobs(output: RequestOutput) -> list:
+    """A request's prompt logprobs entries for its echoed prompt tokens, one per token: a request
+    aborted before its prompt was computed has fewer, and the rest are null."""
+    entries = output.prompt_logprobs
+    return entries + [None] * (len(output.prompt_token_ids) - len(entries))
+
+
 class OpenAIServer:
     """Request handling over one `AsyncEngine`; `build_app` routes to its methods."""
 
@@ -132,7 +139,7 @@ class OpenAIServer:
 
     # --- helpers ------------------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model and model != self.model_name:  # none or "": the served model, as in vLLM
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     def _chat_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
@@ -163,14 +170,16 @@ class OpenAIServer:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
 
     async def _open(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                    cache_salt: str | None, arrival: float) -> tuple[OutputStream, dict[str, int]]:
+                    cache_salt: str | None, arrival: float,
+                    max_tokens_field: str = "max_tokens") -> tuple[OutputStream, dict[str, int]]:
         """Queue one engine request per prompt (token ids), all in one engine command; returns the
         stream and request id -> choice index. `arrival`: when the handler started (the request's
         latencies count its tokenizing). If any prompt is refused, none stays queued; if the handler
         is cancelled meanwhile (the client left), they are aborted. A prompt plus `max_tokens` beyond
-        `max_model_len` is refused here, as vLLM's OpenAI server does (the engine would cap it)."""
+        `max_model_len` is refused here, as vLLM's OpenAI server does (the engine would cap it); the
+        refusal names `max_tokens_field`, the field the client sent."""
         for ids in prompts:
-            check_fits_context(len(ids), params.max_tokens, self.max_model_len)
+            check_fits_context(len(ids), params.max_tokens, self.max_model_len, max_tokens_field)
         stream = self.async_engine.open_stream()
         index = {f"{request_id}-{i}": i for i in range(len(prompts))}
         try:
@@ -242,7 +251,7 @@ class OpenAIServer:
                 logprobs = None
                 if params.logprobs is not None:
                     if body.echo:
-                        token_ids, entries = out.prompt_token_ids + token_ids, out.prompt_logprobs + entries
+                        token_ids, entries = out.prompt_token_ids + token_ids, _echoed_prompt_logprobs(out) + entries
                     logprobs = self._completion_logprobs(token_ids, entries, 0)[0]
                 choices.append(p.CompletionChoice(index=i * params.n + c.index, text=prefix + text,
                                                   logprobs=logprobs, finish_reason=finish_reason,
@@ -261,7 +270,7 @@ class OpenAIServer:
         async for out in stream:
             _raise_if_failed(out)
             if out.prompt_logprobs is not None:
-                prompt_logprobs[out.request_id] = out.prompt_logprobs
+                prompt_logprobs[out.request_id] = _echoed_prompt_logprobs(out)
             for c in out.outputs:
                 i = index[out.request_id] * params.n + c.index
                 text, token_ids, entries, finish_reason, stop_reason = \
@@ -300,7 +309,8 @@ class OpenAIServer:
         self._check_model(body.model)
         params, request_id, created = body.sampling_params(), p.random_id("chatcmpl"), p.now_s()
         prompt_ids = await asyncio.to_thread(self._chat_ids, body.messages, body.add_generation_prompt)
-        stream, index = await self._open([prompt_ids], params, request_id, body.cache_salt, arrival)
+        sent = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        stream, index = await self._open([prompt_ids], params, request_id, body.cache_salt, arrival, sent)
         if body.stream:
             return _EventStream(stream, self._chat_chunks(stream, params, body, request_id, created))
         outputs = await self._final_outputs(raw, stream)
