@@ -31,7 +31,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
-from llmjax.cli_types import parse_quick
+from llmjax.cli_types import non_negative_int_list, parse_quick, positive_int
 from llmjax.config import EngineConfig
 from llmjax.engine import LLMEngine
 from llmjax.provenance import results_dir, write_results
@@ -304,11 +304,12 @@ cost model has.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny-gqa", help="engine model (a preset name, or None for SmolLM2)")
-    parser.add_argument("--engine-requests", type=int, default=24)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0, 1, 2],
+    parser.add_argument("--model", default="tiny-gqa", help="engine model: a preset, smollm2 (the embedded "
+                        "SmolLM2-135M), a .gguf file or an HF folder")
+    parser.add_argument("--engine-requests", type=positive_int, default=24)
+    parser.add_argument("--max-tokens", type=positive_int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--seeds", type=non_negative_int_list, default=[0, 1, 2],
                         help="traces of the simulated sweep (the memory table is the first's; latency over all); "
                         "the first also seeds the engine's prompts")
     parser.add_argument("--skip-engine", action="store_true")
@@ -316,6 +317,8 @@ def main() -> None:
                         "sizes; written to build/results-quick/")
     parser.add_argument("--out", type=Path, default=None, help="default: results/ (quick: build/results-quick/)")
     args = parse_quick(parser, dict(skip_engine=True))
+    if not args.skip_engine:
+        radix_hit_rate.check_model(parser, args.model)
     if args.quick:
         BLOCK_SIZES[:] = [8, 16, 64]
     out = args.out or results_dir(args.quick)

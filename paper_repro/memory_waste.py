@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
-from llmjax.cli_types import parse_quick
+from llmjax.cli_types import parse_quick, positive_int
 from llmjax.config import EngineConfig
 from llmjax.kv import KVCacheManager
 from llmjax.kv.contiguous import ContiguousKVCache, SlotBreakdown
@@ -233,8 +233,8 @@ def plot(ours: dict[str, dict[str, float]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--seeds", type=int, default=3, help="traces 0 .. seeds-1")
+    parser.add_argument("--requests", type=positive_int, default=2000)
+    parser.add_argument("--seeds", type=positive_int, default=3, help="traces 0 .. seeds-1")
     parser.add_argument("--quick", action="store_true", help="smoke run: 300 requests, one seed; written to "
                         "build/results-quick/")
     parser.add_argument("--out", type=Path, default=None, help="default: results/ (quick: build/results-quick/)")
@@ -242,6 +242,10 @@ def main() -> None:
     out = args.out or results_dir(args.quick)
     seeds = list(range(args.seeds))
     runs = run_all(SHAREGPT, args.requests, seeds, "ShareGPT")
+    unbound = [name for name, rs in runs.items() if any(r[SHARES[0]] is None for r in rs)]
+    if unbound:  # the shares are measured over the steps where memory ran out
+        parser.error(f"--requests: with {args.requests} requests, {', '.join(unbound)} never ran out of KV memory "
+                     "after the warm-up, so there is no memory-bound step to measure waste over; use more requests")
     sens = sensitivity(args.requests)
     ours = {name: mean_of(rs) for name, rs in runs.items()}
 

@@ -36,7 +36,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
-from llmjax.cli_types import parse_quick
+from llmjax.cli_types import non_negative_int, parse_quick, positive_int
 from llmjax.config import EngineConfig
 from llmjax.engine import LLMEngine
 from llmjax.outputs import OutputAccumulator, RequestOutput
@@ -152,6 +152,16 @@ def measure(engine: LLMEngine, workload: Workload, max_tokens: int) -> dict[str,
                 kv_tokens=(engine.num_blocks - 1) * engine.config.block_size)
 
 
+def check_model(parser: argparse.ArgumentParser, model_name: str | None) -> None:
+    """Refuse (`parser.error`) a `--model` that names no model, before any work."""
+    from llmjax.models.loader import WeightLoadError, resolve_source
+
+    try:
+        resolve_source(model_name)
+    except (FileNotFoundError, WeightLoadError) as exc:
+        parser.error(f"--model: {exc}")
+
+
 def load(model_name: str | None):
     """(model, tokenizer), loaded once for all the engines of a script; the compilation cache on."""
     import jax.numpy as jnp
@@ -259,15 +269,14 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, slots: int) -> dic
                 preemptions=res.num_preemptions)
 
 
-def scale_part(args: argparse.Namespace) -> dict[str, dict[str, list[dict[str, float]]]]:
+def scale_part(workloads: dict[str, list[TraceRequest]], pool_tokens: list[int]) -> dict[str, dict[str, list[dict]]]:
     """Per workload and mode (caching off / FCFS / LPM), one row per KV pool size."""
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
-    workloads = scale_traces(args.seed)
-    with tqdm(total=len(workloads) * len(MODES) * len(args.pool_tokens), desc="simulated runs", unit="run") as bar:
+    with tqdm(total=len(workloads) * len(MODES) * len(pool_tokens), desc="simulated runs", unit="run") as bar:
         for name, trace in workloads.items():
             results[name] = {mode: [] for mode in MODES}
             for mode, overrides in MODES.items():
-                for slots in args.pool_tokens:
+                for slots in pool_tokens:
                     results[name][mode].append(simulate(trace, SCALE_CONFIG.replace(**overrides), slots))
                     bar.update(1)
     return results
@@ -460,21 +469,31 @@ in chat its hit rate and time to first token stay close to FCFS's.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="engine model (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--engine-kv-mib", type=int, default=48)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--pool-tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each engine workload and mode (fresh "
+    parser.add_argument("--model", default=None, help="engine model: a preset, smollm2, a .gguf file or an HF folder "
+                        "(default: the embedded SmolLM2-135M)")
+    parser.add_argument("--engine-kv-mib", type=positive_int, default=48)
+    parser.add_argument("--max-tokens", type=positive_int, default=8)
+    parser.add_argument("--pool-tokens", type=positive_int, nargs="+",
+                        default=[4096, 8192, 16384, 32768, 65536, 131072])
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--repeats", type=positive_int, default=3, help="runs of each engine workload and mode (fresh "
                         "engines, modes in a rotating order); the speedups are medians of runs paired by repeat")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--quick", action="store_true", help="smoke run: the simulator at two pool sizes, no "
                         "engine; written to build/results-quick/")
     parser.add_argument("--out", type=Path, default=None, help="default: results/ (quick: build/results-quick/)")
     args = parse_quick(parser, dict(skip_engine=True, pool_tokens=[4096, 65536]))
+    if not args.skip_engine:
+        check_model(parser, args.model)
+    workloads = scale_traces(args.seed)
+    block = SCALE_CONFIG.block_size
+    longest = max(len(t.prompt) + t.output_len for trace in workloads.values() for t in trace)
+    if min(args.pool_tokens) // block < -(-longest // block):
+        parser.error(f"--pool-tokens: the longest simulated request ({longest} tokens) needs "
+                     f"{-(-longest // block) * block} tokens of pool in blocks of {block}")
     out = args.out or results_dir(args.quick)
     engine = None if args.skip_engine else engine_part(args)
-    scale = scale_part(args)
+    scale = scale_part(workloads, args.pool_tokens)
     if engine:
         print("\n" + "\n".join(engine_table(engine)))
     print("\n" + "\n".join(scale_table(scale)))

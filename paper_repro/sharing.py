@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from llmjax.kv.block_pool import BlockPool  # noqa: E402
-from llmjax.cli_types import parse_quick  # noqa: E402
+from llmjax.cli_types import non_negative_int, parse_quick, positive_int  # noqa: E402
 from llmjax.provenance import results_dir, write_results  # noqa: E402
 from llmjax.workloads import ALPACA, SHAREGPT, LengthDist, lognormal_lengths  # noqa: E402
 
@@ -246,9 +246,9 @@ def relation(ours: list[float], theirs: list[float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=300, help="requests per dataset")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--engine-requests", type=int, default=40, help="requests of the real engine's part")
+    ap.add_argument("--requests", type=positive_int, default=300, help="requests per dataset")
+    ap.add_argument("--seed", type=non_negative_int, default=0)
+    ap.add_argument("--engine-requests", type=positive_int, default=40, help="requests of the real engine's part")
     ap.add_argument("--quick", action="store_true", help="smoke run: 30 requests (engine 4); written to "
                     "build/results-quick/")
     ap.add_argument("--out", type=Path, default=None, help="default: results/ (quick: build/results-quick/)")
