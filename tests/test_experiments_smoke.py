@@ -251,3 +251,21 @@ def test_host_overhead_emulated_device_feeds_tokens_and_takes_its_time(async_sch
         assert len(emulated) >= 6
         assert emulated == [(out[first - 1] + 1 + i) % vocab for i in range(len(emulated))]
     assert elapsed >= 6 * 3e-3
+
+
+@pytest.mark.parametrize("module, flags, message", [
+    ("memory_waste", ["--seeds", "0"], "argument --seeds: expected a positive integer"),
+    ("memory_waste", ["--requests", "50", "--seeds", "1"], "never ran out of KV memory"),
+    ("block_size", ["--model", "None"], "--model: model 'None' is neither a preset"),
+    ("radix_hit_rate", ["--skip-engine", "--pool-tokens", "1000"], "--pool-tokens: the longest simulated request"),
+    ("sharing", ["--seed", "-1"], "argument --seed: expected an integer >= 0"),
+])
+def test_paper_repro_scripts_refuse_bad_flags_with_an_error_line(tmp_path, module, flags, message):
+    """Bad input ends a paper reproduction with `error: ...` and status 2, no traceback and no result file."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-m", f"paper_repro.{module}", *flags, "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 2 and f"{module}.py: error: " in run.stderr and message in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
+    assert not list(tmp_path.iterdir())
