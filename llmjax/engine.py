@@ -310,6 +310,23 @@ class LLMEngine:
             self.scheduler.add(child)
         return request_id
 
+    def add_requests(self, requests: Sequence[tuple[str | Sequence[int], SamplingParams, str | None]],
+                     namespace: str | None = None, arrival_time: float | None = None) -> list[str]:
+        """`add_request` for each (prompt, params, request id or None), all or none: should one raise,
+        the ones added are aborted and the seeds drawn for them go back to the engine's generator, so a
+        refused batch changes nothing a later request samples; the exception propagates. Their ids."""
+        seeds = self._seed_rng.bit_generator.state
+        added: list[str] = []
+        try:
+            for prompt, params, request_id in requests:
+                added.append(self.add_request(prompt, params, request_id, namespace, arrival_time))
+        except BaseException:
+            for request_id in added:
+                self.abort(request_id)
+            self._seed_rng.bit_generator.state = seeds
+            raise
+        return added
+
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise RequestError("the prompt is empty", "prompt")
@@ -365,6 +382,9 @@ class LLMEngine:
                 log.exception("engine step failed; failing its %d requests", len(out.requests))
                 self._forget_unwritten_kv(out)  # before the step in flight frees and caches any of them
                 failed = (out, exc)
+            except BaseException:  # interrupted (Ctrl-C): the caller aborts; none of this KV may be cached
+                self._forget_unwritten_kv(out)
+                raise
         if self.config.async_scheduling:
             completing, self._inflight = self._inflight, dispatched
         else:

@@ -65,6 +65,24 @@ def test_a_runner_that_raises_once_fails_only_that_step(engine, expected, monkey
     assert_healthy(engine, expected)
 
 
+
+def test_an_interrupted_dispatch_caches_none_of_the_kv_it_did_not_write(engine, expected, monkeypatch):
+    """Ctrl-C while a step is dispatched (a KeyboardInterrupt, no Exception) reaches the caller, and
+    once its requests are aborted (as `LLM.generate` does) none of the KV that step was to write is
+    in the prefix cache: the same prompts later hit nothing and give the reference's tokens."""
+    prompts = [np.random.default_rng(7).integers(3, 250, size=n).tolist() for n in (17, 24)]  # not cached yet
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    fail_once(monkeypatch, engine.runner, "dispatch", KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    for request_id in ids:
+        engine.abort(request_id)
+    outputs = run_to_completion(engine, prompts)
+    assert [o.num_cached_tokens for o in outputs] == [0, 0]
+    assert [o.outputs[0].token_ids for o in outputs] == [dense_greedy(engine, p, GREEDY.max_tokens)[0]
+                                                         for p in prompts]
+    assert_healthy(engine, expected)
+
 def test_a_step_that_loses_the_cache_fails_its_requests_and_drops_the_prefix_cache(engine, expected, monkeypatch):
     """The device call fails after its donated cache is gone: the step's requests fail, the cache is
     rebuilt and the prefix cache (whose blocks' contents were lost) is dropped, so later requests
