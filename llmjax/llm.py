@@ -105,7 +105,10 @@ class LLM:
         image part, a missing text) raises ValueError with the server's message, its place given as
         `messages.I...` (one conversation) or `messages.C.I...`, with nothing queued; so does a
         conversation that is no list of messages (a string, say), or a message without a string role.
-        Each output's `prompt` is its rendered conversation, as in vLLM."""
+        Each output's `prompt` is its rendered conversation, as in vLLM. `add_generation_prompt` is
+        True or False (TypeError otherwise, as for the server's field)."""
+        if not isinstance(add_generation_prompt, bool):
+            raise TypeError(f"add_generation_prompt is True or False, got {add_generation_prompt!r:.80}")
         conversations = list(conversations)
         single = bool(conversations) and isinstance(conversations[0], Mapping)
         if single:
@@ -138,14 +141,7 @@ class LLM:
                  for sp in {id(sp): sp for sp in sampling_params}.values()}
         sampling_params = [final[id(sp)] for sp in sampling_params]
         engine = self.engine
-        ids: list[str] = []
-        try:
-            for prompt, params in zip(prompts, sampling_params):
-                ids.append(engine.add_request(prompt, params))
-        except BaseException:
-            for request_id in ids:
-                engine.abort(request_id)
-            raise
+        ids = engine.add_requests([(prompt, params, None) for prompt, params in zip(prompts, sampling_params)])
         engine.scheduler.input_closed = True
         results: dict[str, RequestOutput] = {}
         start, generated_before = time.perf_counter(), engine.num_generation_tokens

@@ -89,6 +89,8 @@ def test_chat_renders_the_template(llm, add_generation_prompt):
     # one conversation, not a list of them
     [single] = llm.chat(CONVERSATIONS[1], GREEDY, use_tqdm=False, add_generation_prompt=add_generation_prompt)
     assert single.prompt_token_ids == outs[1].prompt_token_ids
+    with pytest.raises(TypeError, match="add_generation_prompt is True or False"):  # "no" is not False
+        llm.chat(CONVERSATIONS, GREEDY, use_tqdm=False, add_generation_prompt="no")
 
 
 def test_chat_takes_openai_text_parts_joined_by_newlines(llm):
@@ -165,6 +167,20 @@ def test_an_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     before = engine.num_generation_tokens
     llm.generate("d", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert engine.num_generation_tokens - before == 3
+
+
+def test_a_refused_generate_changes_nothing_a_later_request_samples():
+    """A call refused for its last prompt queues nothing and draws no seed: the next unseeded request
+    samples what it would have sampled on an engine that never saw the refused call."""
+    config = EngineConfig(max_num_batched_tokens=64, max_num_seqs=8, block_size=8, max_model_len=REF_LEN,
+                          kv_cache_memory_bytes=2 << 20, attention_backend="xla", dtype="float32")
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    fresh, refused = LLM("tiny-gqa", engine_config=config), LLM("tiny-gqa", engine_config=config)
+    with pytest.raises(RequestError, match="prompt"):
+        refused.generate(["x", "y", ""], params, use_tqdm=False)
+    assert not refused.engine.has_unfinished_requests() and refused.engine.kv.usage().used == 0
+    [expected], [got] = (llm.generate("x", params, use_tqdm=False) for llm in (fresh, refused))
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
 
 
 def test_get_tokenizer_is_the_engines(llm):

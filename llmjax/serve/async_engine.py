@@ -145,16 +145,9 @@ class AsyncEngine:
         def add(engine: LLMEngine) -> None:
             if self.stopping:
                 raise ShuttingDownError("the server is shutting down")
-            added = []
-            try:
-                for request_id, prompt in prompts.items():
-                    engine.add_request(prompt, params, request_id, namespace, arrival_time)
-                    added.append(request_id)
-            except BaseException:
-                for request_id in added:
-                    engine.abort(request_id)
-                raise
-            for request_id in added:
+            engine.add_requests([(prompt, params, request_id) for request_id, prompt in prompts.items()],
+                                namespace, arrival_time)
+            for request_id in prompts:
                 self._streams[request_id] = (loop, stream)
 
         await self.call(add)
