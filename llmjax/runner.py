@@ -228,7 +228,7 @@ class ModelRunner:
         self.buckets = StepBuckets(config)
         self.block_size = config.block_size
         self.backend = get_attention_backend(config.attention_backend)
-        self.backend.check(model.config, config.block_size)
+        self.backend.check(model.config, config.block_size, kv_dtype)
         self.graphdef = model.graphdef
         tp = config.tensor_parallel_size
         self.layout = parallel.Layout.create(model, parallel.make_mesh(tp)) if tp > 1 else None

@@ -14,6 +14,7 @@ import pytest
 
 from llmjax.attention import backend, cpu, native, xla
 from llmjax.attention.cache_dtype import BF16_BITS, to_storage
+from llmjax.config import ConfigError
 from llmjax.sampling_params import SamplingParams
 from tests.attention_cases import Batch, assert_close, naive_gqa, random_cache
 from tests.engine_helpers import run_to_completion, tiny_engine
@@ -200,6 +201,21 @@ def test_backend_selection():
     assert backend.get_attention_backend("xla").reads_storage
     assert not backend.get_attention_backend("pallas-interpret").reads_storage  # bfloat16 views
     assert "cpu" in backend.BACKENDS
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("preset, kv_cache_dtype, message", [
+    ("tiny-mla", None, "no MLA path"),
+    ("tiny-gqa", "float16", "float32 or bfloat16 KV cache, not head dim 32 and float16"),
+])
+def test_a_named_cpu_backend_refuses_what_its_kernel_cannot_run(preset, kv_cache_dtype, message):
+    """Named, "cpu" is the native kernel or an error; the default choice runs the same model on xla."""
+    with pytest.raises(ConfigError, match=message):
+        tiny_engine(preset, attention_backend="cpu", kv_cache_dtype=kv_cache_dtype)
+    engine = tiny_engine(preset, attention_backend=None, kv_cache_dtype=kv_cache_dtype)
+    assert engine.runner.backend.name == "cpu"  # the default, with xla's functions for this model
+    [out] = run_to_completion(engine, [[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 2
 
 
 def test_build_is_cached_and_safe_to_race(tmp_path, capfd):

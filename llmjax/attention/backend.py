@@ -56,17 +56,34 @@ class AttentionBackend:
     plan: Callable[..., Any] | None = None
     reads_storage: bool = True
     prefill: PrefillAttention | None = None
-    check_model: Callable[[Any, int], None] | None = None
+    check_model: Callable[[Any, int, Any], None] | None = None
 
-    def check(self, model_config, block_size: int) -> None:
+    def check(self, model_config, block_size: int, kv_dtype) -> None:
         """Raise `ConfigError` when this backend cannot run a model of `model_config`'s shapes over
-        KV blocks of `block_size` tokens (the engine calls it when it is built, not at its first step)."""
+        KV blocks of `block_size` tokens holding `kv_dtype` values (the engine calls it when it is
+        built, not at its first step)."""
         if self.check_model is not None:
-            self.check_model(model_config, block_size)
+            self.check_model(model_config, block_size, kv_dtype)
 
 
-def _check_pallas_shapes(model_config, block_size: int) -> None:
-    """The Pallas kernels tile KV blocks and head dimensions in powers of two of at least 16."""
+def _check_native(model_config, block_size: int, kv_dtype) -> None:
+    """The "cpu" backend when named: every layer's attention in the native kernel, or refused (its
+    fallback to xla is for the default choice only: a backend asked for is never swapped)."""
+    from llmjax.attention.cache_dtype import storage_dtype
+    from llmjax.attention.cpu import native_supported
+
+    if model_config.attention == "mla":
+        raise ConfigError("attention backend 'cpu': the native kernel has no MLA path; use 'xla' (or leave "
+                          "--attention-backend unset: its default runs MLA on xla)")
+    if not native_supported(model_config.head_dim, storage_dtype(kv_dtype, "cpu")):
+        raise ConfigError(f"attention backend 'cpu': the native kernel needs a head dim that is a multiple of 32 "
+                          f"and a float32 or bfloat16 KV cache, not head dim {model_config.head_dim} and "
+                          f"{jax.numpy.dtype(kv_dtype).name}; use 'xla'")
+
+
+def _check_pallas_shapes(model_config, block_size: int, kv_dtype) -> None:
+    """The Pallas kernels tile KV blocks and head dimensions in powers of two of at least 16 (any
+    KV cache dtype)."""
     from pallas_kernels.paged_attention import check_pow2
 
     if model_config.attention == "mla":
@@ -109,7 +126,10 @@ def default_backend_name(platform: str | None = None, jax_version: str | None = 
 def get_attention_backend(name: str | None = None) -> AttentionBackend:
     """The backend called `name` (None: the platform's default). Raises `ConfigError` (a
     ValueError) for an unknown name, for "cpu" off the CPU platform or without its native kernel
-    (the logged warning says why), or for "pallas" without a GPU (use "pallas-interpret" there)."""
+    (the logged warning says why), or for "pallas" without a GPU (use "pallas-interpret" there).
+    "cpu" runs MLA, and attention the native kernel cannot run, on xla when it is the default; when
+    named, its `check` refuses such a model."""
+    named = name is not None
     name = name or default_backend_name()
     if name == "xla":
         from llmjax.attention import xla
@@ -124,7 +144,8 @@ def get_attention_backend(name: str | None = None) -> AttentionBackend:
         if not native.available():
             raise ConfigError("attention backend 'cpu': the native kernel is unavailable "
                              "(see the logged warning); use 'xla'")
-        return AttentionBackend(name, cpu.ragged_paged_attention, xla.mla_ragged_paged_attention)
+        return AttentionBackend(name, cpu.ragged_paged_attention, xla.mla_ragged_paged_attention,
+                                check_model=_check_native if named else None)
     if name == "pallas" and jax.default_backend() not in _GPU_PLATFORMS:
         raise ConfigError(f"attention backend 'pallas' needs a GPU (platform is "
                          f"{jax.default_backend()!r}); use 'pallas-interpret' or 'xla'")
