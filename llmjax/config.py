@@ -365,7 +365,8 @@ class EngineConfig:
     an output every step.
     `queue_order` "lpm" (SGLang's longest prefix match) orders the waiting requests by their cached
     prefix, so it needs `enable_prefix_caching` (SGLang falls back to FCFS without its radix cache;
-    here the combination is refused). `dtype` is one of `DTYPES` (None: `loader.default_dtype()`).
+    here the combination is refused). `dtype` is one of `DTYPES` (None, or vLLM's "auto":
+    `loader.default_dtype()`); `kv_cache_dtype` too (None or "auto": `dtype`).
     `max_num_batched_tokens` is at least `max_num_seqs`, as vLLM requires (every running sequence
     gets its next token each step), and without chunked prefill at least `max_model_len` (a whole
     prompt runs in one step); its default is `DEFAULT_MAX_NUM_BATCHED_TOKENS`, without chunked
@@ -416,6 +417,9 @@ class EngineConfig:
                 raise ConfigError(f"{name} must not be empty: leave it unset (None) for its default")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ConfigError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) == "auto":  # vLLM's name for the default
+                object.__setattr__(self, name, None)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:

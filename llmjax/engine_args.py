@@ -48,8 +48,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                         help="share of an accelerator's memory for weights, activations and KV cache "
                         f"(default {DEFAULT_GPU_MEMORY_UTILIZATION}); instead of --kv-cache-memory; not on CPU")
-    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-                        help="KV cache dtype (default: --dtype)")
+    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=(*KV_CACHE_DTYPES, "auto"),
+                        help="KV cache dtype (default, or auto: --dtype)")
     parser.add_argument("--scheduling-policy", choices=["continuous", "static", "dynamic"], default=d.scheduling_policy)
     parser.add_argument("--queue-order", choices=["fcfs", "lpm"], default=d.queue_order)
     parser.add_argument("--batch-size", type=int, default=None,
@@ -60,8 +60,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", choices=BACKENDS, default=d.attention_backend,
                         help="default: 'cpu' (the native attention kernel) on CPU when it compiles, else 'xla' "
                              "(see docs/architecture.md, 'Choosing an implementation')")
-    parser.add_argument("--dtype", default=d.dtype, choices=DTYPES,
-                        help="default: bfloat16 on a GPU and on a CPU with AVX512-BF16 or AMX-BF16, "
+    parser.add_argument("--dtype", default=d.dtype, choices=(*DTYPES, "auto"),
+                        help="default (or auto): bfloat16 on a GPU and on a CPU with AVX512-BF16 or AMX-BF16, "
                              "float32 on other CPUs")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,

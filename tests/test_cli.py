@@ -91,6 +91,8 @@ def test_batching_flags_reach_the_config_of_their_policy_and_default_otherwise()
     config = engine_config_from_args(engine_args())
     assert (config.scheduling_policy, config.batch_size, config.max_delay) == ("continuous", None, None)
     assert engine_config_from_args(engine_args("--dtype", "float16")).dtype == "float16"
+    config = engine_config_from_args(engine_args("--dtype", "auto", "--kv-cache-dtype", "auto"))
+    assert (config.dtype, config.kv_cache_dtype) == (None, None)  # vLLM's spelling of the defaults
     config = engine_config_from_args(engine_args("--scheduling-policy", "dynamic", "--max-num-seqs", "4"))
     assert config.batch_size == 4  # the default batch, capped at the seats
 

@@ -60,6 +60,11 @@ def test_engine_config_refuses(fields, message):
         EngineConfig(**fields)
 
 
+def test_auto_dtypes_are_the_defaults_as_in_vllm():
+    assert EngineConfig(dtype="auto", kv_cache_dtype="auto") == EngineConfig()
+    assert EngineConfig(dtype="bfloat16", kv_cache_dtype="auto").kv_cache_dtype is None  # the weights' dtype
+
+
 def test_without_chunked_prefill_the_default_budget_covers_max_model_len():
     """As in vLLM: the default token budget is raised to max_model_len (a whole prompt fits a step),
     also when the config is copied with chunked prefill turned off; one set by hand is checked against
