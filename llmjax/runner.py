@@ -392,7 +392,8 @@ class ModelRunner:
         bias = np.zeros(vocab, np.float32)
         for token, value in (p.logit_bias or {}).items():
             bias[token] = value
-        stops = [t for t in p.stop_token_ids if t < vocab] + ([] if p.ignore_eos else list(self.eos_token_ids))
+        # EOS too with ignore_eos, as in vLLM: until min_tokens it cannot be sampled, stop or not
+        stops = [t for t in p.stop_token_ids if t < vocab] + list(self.eos_token_ids)
         min_tokens_mask = np.zeros(vocab, bool)
         min_tokens_mask[stops] = True
         self.penalties = _write_penalty_row(self.penalties, np.int32(init.row), counts, prompt_mask, bias,

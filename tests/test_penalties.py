@@ -89,6 +89,11 @@ def test_min_tokens_masks_stop_ids_until_reached(engine):
     [[out]] = [r.outputs for r in run_to_completion(engine, PROMPTS[:1], eos_params)]
     assert len(out.token_ids) == 6 and 2 not in out.token_ids[:5] and out.token_ids[5] == 2
     assert out.finish_reason == "stop"
+    # with ignore_eos, EOS still cannot be sampled before min_tokens (vLLM masks the model's EOS
+    # whatever ignore_eos says); afterwards it is sampled and ends nothing
+    ignoring = replace(eos_params, ignore_eos=True)
+    [[out]] = [r.outputs for r in run_to_completion(engine, PROMPTS[:1], ignoring)]
+    assert 2 not in out.token_ids[:5] and out.token_ids[5:] == [2, 2, 2] and out.finish_reason == "length"
 
 
 def test_seeded_penalised_sampling_ignores_its_batch(engine):
