@@ -165,7 +165,10 @@ class _Span:
     offset: int
     reserved: int  # slots the policy asked for; the buddy block may be larger
     num_tokens: int  # slots holding (or about to hold) token states
-    final_len: int  # prompt + output: the tokens the request will ever have
+    # prompt + output: the tokens the request will ever have. The last output token's KV is never
+    # written (the request ends when it is sampled), so one slot of it stays "reservation" to the
+    # end: the oracle reserves for every token, as the paper's does (about 0.1 point of the pool)
+    final_len: int
 
 
 class ContiguousKVCache:
