@@ -219,6 +219,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, eos_token_ids=self.eos_token_ids, build_step_inputs=True)
         self.runner = ModelRunner(model, config, self.num_blocks, kv_dtype, self.eos_token_ids)
         self._parents: dict[str, _Parent] = {}  # the unfinished requests, by id
+        self.num_held_samples = 0  # samples of n > 1 requests waiting for their first sample's prompt
         self._inflight: tuple[SchedulerOutput, InFlight] | None = None  # dispatched, not yet processed
         self._ids = itertools.count()
         self._keys = itertools.count()  # the samples' names in the KV manager
@@ -294,7 +295,7 @@ class LLMEngine:
             children[0].prompt_logprobs = [None]  # collected by the first sample (the prompt is the same)
         # nothing above changed the engine; from here on nothing raises
         plain = params.n == 1 and params.logprobs is None and params.prompt_logprobs is None and not params.stop
-        parent = _Parent(request_id, text, ids, params, children, states, RequestMetrics(arrival),
+        parent = _Parent(request_id, text, ids, params, children, states, RequestMetrics(arrival, time.monotonic()),
                          quiet=plain and params.output_kind is not DELTA,
                          plain_stream=plain and params.output_kind is DELTA)
         for child in children:
@@ -306,6 +307,7 @@ class LLMEngine:
         wait = self.config.enable_prefix_caching or params.prompt_logprobs is not None
         released = children[:1] if wait else children
         parent.held = children[len(released):]
+        self.num_held_samples += len(parent.held)
         for child in released:
             self.scheduler.add(child)
         return request_id
@@ -357,6 +359,12 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def num_waiting(self) -> int:
+        """Samples waiting to run: the scheduler's queue and the held samples of n > 1 requests (vLLM
+        queues each sample as a request of its own)."""
+        return len(self.scheduler.waiting) + self.num_held_samples
 
     # --- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -532,6 +540,7 @@ class LLMEngine:
         if parent.held:  # the prompt is computed and its full pages cached
             for sibling in parent.held:
                 self.scheduler.add(sibling, request)
+            self.num_held_samples -= len(parent.held)
             parent.held = []
 
     @staticmethod
@@ -611,6 +620,7 @@ class LLMEngine:
         else:  # nothing was returned yet
             reported = parent.children
         held = set(map(id, parent.held))
+        self.num_held_samples -= len(held)
         parent.held = []
         for child in unfinished:
             if id(child) in held:  # never queued: nothing to free

@@ -51,7 +51,8 @@ class RequestMetrics:
     refers to it (nothing is copied per step), so it is complete once the request has finished.
     `token_times`: when each step that sampled any of its tokens finished."""
 
-    arrival_time: float
+    arrival_time: float  # when the caller got it (the server: before tokenizing)
+    queued_time: float | None = None  # when the engine queued it, after tokenizing (vLLM's queued_ts)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -230,7 +230,7 @@ def test_a_parallel_request_ended_before_its_first_token_ends_every_sample(engin
     the held samples too, with nothing queued or leaked."""
     assert engine.config.enable_prefix_caching
     request_id = engine.add_request(PROMPTS[1], dataclasses.replace(GREEDY, n=3))
-    assert len(engine._parents[request_id].held) == 2
+    assert len(engine._parents[request_id].held) == 2 and engine.num_waiting == 3  # held samples wait too
     if ending == "abort":
         [output] = [engine.abort(request_id)]
         reason = "abort"
@@ -242,4 +242,5 @@ def test_a_parallel_request_ended_before_its_first_token_ends_every_sample(engin
     assert all(c.finish_reason == reason and c.token_ids == [] for c in output.outputs)
     assert (output.error is not None) == (ending == "failed step")
     assert engine.step() == [] and not engine.has_unfinished_requests()
+    assert engine.num_waiting == 0
     assert_healthy(engine, expected)

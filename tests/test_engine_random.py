@@ -155,13 +155,13 @@ def expected_end(prompt: list[int], params: SamplingParams, tokens: list[int]):
 
 def processed_logits(engine, prompt: list[int], params: SamplingParams, tokens: list[int]) -> np.ndarray:
     """`[len(tokens), V]` float64: row i scores token i, the dense (no cache) model's logits over
-    everything before it processed in vLLM's order: logit bias, the min_tokens mask (EOS unless
-    ignore_eos, and the stop ids), the repetition penalty on tokens of the prompt and of the output
+    everything before it processed in vLLM's order: logit bias, the min_tokens mask (EOS, with
+    ignore_eos too, and the stop ids), the repetition penalty on tokens of the prompt and of the output
     so far, then the frequency and presence penalties."""
     rows = dense_logits(engine, prompt + tokens)[len(prompt) - 1 : -1].astype(np.float64)
     for token, value in (params.logit_bias or {}).items():
         rows[:, token] += value
-    masked = list(params.stop_token_ids) + ([] if params.ignore_eos else [EOS])
+    masked = list(params.stop_token_ids) + [EOS]
     rows[: params.min_tokens, masked] = -np.inf
     counts = np.zeros(VOCAB)
     in_prompt = np.bincount(prompt, minlength=VOCAB) > 0

@@ -257,6 +257,7 @@ def test_parallel_sampling_computes_the_prompt_once(llm):
     assert after.hit_tokens - before.hit_tokens == (n - 1) * 32
     assert sum(computed) == 40 + (n - 1) * 8
     assert out.num_cached_tokens == 0 and engine.kv.usage().used == 0
+    assert engine.num_held_samples == 0  # released, each counted as waiting until then
     # the samples are reproducible: sample 0 is the n=1 request with the same seed
     [one] = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=1.0, seed=11, max_tokens=8,
                                                                       ignore_eos=True), use_tqdm=False)

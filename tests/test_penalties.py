@@ -26,13 +26,14 @@ def reference_greedy(engine, prompt, params: SamplingParams, eos=(2,)):
     """Dense greedy decode with the reference processing applied at every step; stops like the engine."""
     fn = _dense_logits_fn(engine.runner.graphdef)
     output, all_logits = [], []
+    masked = list(params.stop_token_ids) + list(eos)  # until min_tokens: EOS even with ignore_eos
     stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos))
     for _ in range(params.max_tokens):
         tokens = prompt + output
         padded = np.zeros(REF_LEN, np.int32)
         padded[: len(tokens)] = tokens
         raw = np.asarray(fn(engine.runner.params, padded))[len(tokens) - 1]
-        logits = reference_processing(raw, prompt, output, params.logit_bias or {}, stops,
+        logits = reference_processing(raw, prompt, output, params.logit_bias or {}, masked,
                                       len(output) < params.min_tokens, params.presence_penalty,
                                       params.frequency_penalty, params.repetition_penalty)
         all_logits.append(logits)

@@ -484,10 +484,12 @@ def test_request_metrics_count_each_finished_request(client):
     assert snapshot()[0]["length"] - success["length"] == 3
 
 
-def test_latency_metrics_are_the_requests_own_timings(client, app):
-    """Each latency histogram's sum grows by what the engine's timestamps of the request give."""
-    engine_loop = app.state.server.async_engine
-    observe, finished = engine_loop.on_finished, []
+def test_latency_metrics_are_the_requests_own_timings(client, app, monkeypatch):
+    """Each latency histogram's sum grows by what the engine's timestamps of the request give; the
+    queue time is the engine's queue alone (vLLM's), not the tokenizing before it (here 0.3 s)."""
+    engine_loop, tokenizer = app.state.server.async_engine, app.state.server.tokenizer
+    observe, finished, encode = engine_loop.on_finished, [], tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: (time.sleep(0.3), encode(*a, **k))[1])
     engine_loop.on_finished = lambda out: (finished.append(out), observe(out))
     try:
         wait_idle(client)
@@ -498,9 +500,10 @@ def test_latency_metrics_are_the_requests_own_timings(client, app):
         engine_loop.on_finished = observe
     [out] = finished
     m = out.metrics
+    assert m.queued_time - m.arrival_time >= 0.3 and m.arrival_time <= m.queued_time <= m.first_scheduled_time
     expected = {
         "time_to_first_token_seconds": [m.first_token_time - m.arrival_time],
-        "request_queue_time_seconds": [m.first_scheduled_time - m.arrival_time],
+        "request_queue_time_seconds": [m.first_scheduled_time - m.queued_time],
         "request_prefill_time_seconds": [m.first_token_time - m.first_scheduled_time],
         "request_decode_time_seconds": [m.finish_time - m.first_token_time],
         "e2e_request_latency_seconds": [m.finish_time - m.arrival_time],
@@ -1010,14 +1013,21 @@ def test_a_dead_engine_loop_fails_health_and_exits_non_zero():
     url, thread, status = serve_in_thread(app)
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60).status_code == 200
 
-    def broken_step():
-        raise RuntimeError("device lost")
+    step, steps = engine.step, []
+
+    def broken_step():  # two good steps (the request runs, holding KV), then one that raises
+        steps.append(1)
+        if len(steps) > 2:
+            raise RuntimeError("device lost")
+        return step()
 
     engine.step = broken_step  # an error the engine could not contain: the loop dies
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 20}, timeout=60)
     assert r.status_code == 500 and "device lost" in r.json()["error"]["message"], r.text
     problem = app.state.server.async_engine.health()
     assert problem is not None and "device lost" in problem
+    stats = app.state.server.async_engine.stats  # what /metrics shows: nothing runs any more
+    assert (stats.num_running, stats.num_waiting, stats.kv_usage, stats.num_engine_errors) == (0, 0, 0.0, 1)
     thread.join(60)
     assert status == [1]  # the server stopped by itself, with a failure status for its supervisor
 

@@ -271,7 +271,7 @@ class AsyncEngine:
         engine = self.engine
         usage, prefix = engine.kv.usage(), engine.kv.stats()
         self.stats = EngineStats(
-            num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
+            num_running=len(engine.scheduler.running), num_waiting=engine.num_waiting,
             kv_usage=usage.usage,
             prefix_queried_tokens=prefix.queried_tokens, prefix_hit_tokens=prefix.hit_tokens,
             num_preemptions=engine.scheduler.num_preemptions, prompt_tokens=engine.num_prompt_tokens,
@@ -283,7 +283,9 @@ class AsyncEngine:
     def _die(self, error: BaseException) -> None:
         self.error = error
         self.num_engine_errors += 1
-        self.stats = dataclasses.replace(self.stats, num_engine_errors=self.num_engine_errors)
+        # nothing runs or waits any more, and no KV is held for anyone
+        self.stats = dataclasses.replace(self.stats, num_engine_errors=self.num_engine_errors, num_running=0,
+                                         num_waiting=0, kv_usage=0.0)
         for loop, stream in self._streams.values():
             loop.call_soon_threadsafe(stream.put, error)
         self._streams.clear()

@@ -98,7 +98,8 @@ class ServerMetrics:
                              ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish, for requests not aborted.",
                              REQUEST_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Queued in the engine (after tokenizing) to first scheduled.", REQUEST_BUCKETS)
         self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first generated token.",
                                       REQUEST_BUCKETS)
         self.decode_time = histogram("request_decode_time_seconds",
@@ -120,7 +121,7 @@ class ServerMetrics:
         samples are requests of their own). A request aborted has no e2e or decode time."""
         m = output.metrics
         if m.first_scheduled_time is not None:
-            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            self.queue_time.observe(m.first_scheduled_time - m.queued_time)  # the engine's queue alone, as vLLM's
             if m.first_token_time is not None:
                 self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
         if m.first_token_time is not None:
