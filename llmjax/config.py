@@ -149,10 +149,11 @@ class ModelConfig:
         return per_layer * self.num_layers * dtype_bytes
 
     def softmax_scale(self) -> float:
-        """1/sqrt(qk head dim), times YaRN's mscale² for MLA models as DeepSeek defines it."""
+        """1/sqrt(qk head dim), times YaRN's mscale² for MLA models as DeepSeek defines it (whatever the
+        RoPE scaling's type, as DeepSeek's code and HF's apply it)."""
         scale = self.qk_head_dim**-0.5
         params = self.rope_params
-        if self.attention == "mla" and params.get("rope_type") == "yarn" and params.get("mscale_all_dim"):
+        if self.attention == "mla" and params.get("mscale_all_dim") and "factor" in params:
             m = yarn_mscale(params["factor"], params["mscale_all_dim"])
             scale *= m * m
         return scale
@@ -200,11 +201,17 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 
 def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """Build a ModelConfig from the dict of a HF `config.json`. Unknown architectures and MoE are refused."""
+    """Build a ModelConfig from the dict of a HF `config.json`. Unknown architectures, MoE and quantized
+    checkpoints are refused."""
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"unknown architecture {arch!r}; llmjax supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+    quantization = hf.get("quantization_config")
+    if quantization:  # its weights are codes and scales that llmjax would read as plain weights
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise ConfigError(f"quantized checkpoints ({method}) are not supported; load the model's float16, "
+                          "bfloat16 or float32 checkpoint, or its GGUF file")
     num_layers = hf["num_hidden_layers"]
     act = hf.get("hidden_act", "silu")
     common = dict(
@@ -296,13 +303,21 @@ def model_config_from_gguf_metadata(meta: dict[str, Any]) -> ModelConfig:
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
     if not vocab:
         raise ConfigError("GGUF metadata has neither llama.vocab_size nor a token list")
-    rope = ()
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling == "linear":
-        rope = (("factor", float(get("rope.scaling.factor"))), ("rope_type", "linear"))
-    elif scaling not in (None, "none"):
+    # RoPE scaling as llama.cpp reads it: the type defaults to linear, the factor is rope.scaling.factor
+    # or the older rope.scale_linear, and a factor of 0 or 1 scales nothing
+    scaling = meta.get(f"{arch}.rope.scaling.type", "linear")
+    factor = float(meta.get(f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scale_linear")) or 1.0)
+    if scaling not in ("linear", "none"):
         raise ConfigError(f"GGUF RoPE scaling {scaling!r} is not supported (only linear); load the model's HF "
                           "checkpoint, whose rope_scaling llmjax reads")
+    if scaling == "none" and factor != 1.0:
+        raise ConfigError(f"GGUF metadata says RoPE scaling 'none' but gives a scaling factor of {factor}")
+    rope = (("factor", factor), ("rope_type", "linear")) if factor != 1.0 else ()
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // num_heads)
+    rotated = meta.get(f"{arch}.rope.dimension_count")
+    if rotated is not None and int(rotated) != head_dim:  # llama.cpp refuses it for llama too
+        raise ConfigError(f"GGUF {arch}.rope.dimension_count is {rotated}, but llmjax rotates the whole head "
+                          f"({head_dim} dims)")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         vocab_size=int(vocab),
@@ -311,7 +326,7 @@ def model_config_from_gguf_metadata(meta: dict[str, Any]) -> ModelConfig:
         num_layers=int(get("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // num_heads),
+        head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=rope,

