@@ -173,6 +173,9 @@ def _rope_scaling_from_hf(hf: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     if "type" in params and "rope_type" not in params:
         params["rope_type"] = params.pop("type")
     params.pop("rope_theta", None)
+    partial = hf.get("partial_rotary_factor", params.pop("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):  # models that rotate part of each head (Phi, StableLM) are not read
+        raise ConfigError(f"partial_rotary_factor {partial} is not supported: llmjax rotates the whole head")
     params.setdefault("rope_type", "default")
     if params["rope_type"] == "default":
         params = {"rope_type": "default"}

@@ -96,6 +96,8 @@ def test_deepseek_v3_rotates_interleaved_pairs_unless_its_config_says_not(tmp_pa
     ({"hidden_act": "quick_gelu"}, "unsupported hidden_act 'quick_gelu'"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs low_freq_factor, high_freq_factor"),
     ({"rope_scaling": {"rope_type": "linear"}}, "needs factor"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
 ])
 def test_model_settings_llmjax_cannot_honour_are_refused(change, message):
     hf = {**LLAMA, "num_key_value_heads": 2, "architectures": ["LlamaForCausalLM"], **change}
