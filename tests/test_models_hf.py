@@ -311,6 +311,22 @@ def test_a_quantized_checkpoint_is_refused_not_read_as_weights(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_a_folder_with_tensors_the_model_would_not_read_is_refused(tmp_path):
+    """A weight the config does not account for (here q_proj biases of a Llama without
+    attention_bias) is refused, not dropped; a tied model's stored lm_head copy is no such weight."""
+    from safetensors.numpy import load_file, save_file
+
+    hf_model = _save_hf(tmp_path, "LlamaConfig", dict(LLAMA, num_key_value_heads=2, tie_word_embeddings=True))
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    save_file(tensors, tmp_path / "model.safetensors")
+    _assert_logits_match(load_model(str(tmp_path)), hf_model, LLAMA["vocab_size"])
+    tensors["model.layers.1.self_attn.q_proj.bias"] = np.ones(64, np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(WeightLoadError, match="does not use: model.layers.1.self_attn.q_proj.bias"):
+        load_model(str(tmp_path))
+
+
 def test_truncated_gguf_is_refused(tmp_path):
     bad = tmp_path / "truncated.gguf"
     bad.write_bytes(embedded_model_path().read_bytes()[:200_000])

@@ -164,9 +164,10 @@ def random_params(cfg: ModelConfig, dtype, seed: int) -> tuple[nnx.GraphDef, nnx
     return nnx.split(Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))
 
 
-def _safetensors_getter(folder: Path) -> Callable[[str], np.ndarray]:
-    """`get(hf_name)` over the folder's safetensors file(s); a corrupt or truncated file, or an index that
-    is not one, raises `WeightLoadError` naming it."""
+def _safetensors_getter(folder: Path, used: set[str]) -> tuple[Callable[[str], np.ndarray], set[str]]:
+    """`get(hf_name)` over the folder's safetensors file(s), adding the name to `used`, and the names
+    of the tensors the files hold; a corrupt or truncated file, or an index that is not one, raises
+    `WeightLoadError` naming it."""
     from safetensors import safe_open
 
     def unreadable(path: Path, exc: Exception) -> WeightLoadError:
@@ -192,6 +193,7 @@ def _safetensors_getter(folder: Path) -> Callable[[str], np.ndarray]:
     def get(name: str) -> np.ndarray:
         if name not in files:
             raise WeightLoadError(f"tensor {name} is missing from the safetensors files in {folder}")
+        used.add(name)
         path = files[name]
         if not path.is_file():
             raise FileNotFoundError(f"shard {path} listed in the index is missing")
@@ -206,7 +208,7 @@ def _safetensors_getter(folder: Path) -> Callable[[str], np.ndarray]:
                                   "weights (a quantized checkpoint is not supported)")
         return np.asarray(tensor.astype(jnp.float32))
 
-    return get
+    return get, set(files)
 
 
 GGUF_NAMES = {
@@ -328,6 +330,16 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     return cfg
 
 
+def _check_hf_all_used(names: set[str], used: set[str], cfg: ModelConfig, folder: Path) -> None:
+    """`_check_all_used` for a HF folder. Not weights: RoPE tables some checkpoints store
+    (`rotary_emb.inv_freq`); a tied model's `lm_head.weight` is the embedding's copy."""
+    unused = sorted(n for n in names - used if not n.endswith("rotary_emb.inv_freq")
+                    and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
+    if unused:
+        listed = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
+        raise WeightLoadError(f"{folder} has tensors llmjax's {cfg.architecture} model does not use: {listed}")
+
+
 def _check_all_used(reader, used: set[str], path: Path) -> None:
     """Refuse a file with tensors the model did not read (a feature llmjax does not implement, which
     would otherwise be dropped silently and give wrong outputs)."""
@@ -358,7 +370,10 @@ def load_model(source: str | None = None, *, dtype=jnp.float32, seed: int = 0) -
         graphdef, params = random_params(cfg, dtype, seed)
     elif src.kind == "hf":
         cfg = model_config_from_hf_file(src.path / "config.json")
-        graphdef, params = build_params(cfg, dtype, _safetensors_getter(src.path))
+        used: set[str] = set()
+        get, names = _safetensors_getter(src.path, used)
+        graphdef, params = build_params(cfg, dtype, get)
+        _check_hf_all_used(names, used, cfg, src.path)
     else:
         reader = read_gguf(src.path)
         cfg = _gguf_config(reader, src.path)
