@@ -272,7 +272,8 @@ class Scheduler:
     def _done_when_pending_arrive(self, request: Request) -> bool:
         """Whether the tokens still on the device take the request to max_tokens or max_model_len."""
         n_out = len(request.output_token_ids) + request.num_pending
-        return n_out >= request.sampling_params.max_tokens or \
+        max_tokens = request.sampling_params.max_tokens
+        return (max_tokens is not None and n_out >= max_tokens) or \
             request.num_tokens + request.num_pending >= self.config.max_model_len
 
     def _grow_or_preempt(self, request: Request, n: int, out: SchedulerOutput, entries: list) -> bool:
@@ -318,7 +319,8 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, entries: list, budget: int) -> None:
         if self.config.queue_order == "lpm" and self.config.enable_prefix_caching and len(self.waiting) > 1:
             match = {r.key: self.kv.peek_prefix_len(r.all_token_ids, r.namespace) for r in self.waiting}
-            self.waiting = deque(sorted(self.waiting, key=lambda r: -match[r.key]))
+            # ties by arrival, not by the order an earlier sort left (matches change as pages are evicted)
+            self.waiting = deque(sorted(self.waiting, key=lambda r: (-match[r.key], r.arrival_time)))
         batched = self.config.scheduling_policy != "continuous"
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -554,5 +556,6 @@ class Scheduler:
             if token not in eos or params.ignore_eos:
                 request.stop_reason = token
             self.finish(request, RequestStatus.FINISHED_STOPPED)
-        elif n_out >= params.max_tokens or n_out + len(request.prompt_token_ids) >= self.config.max_model_len:
+        elif (params.max_tokens is not None and n_out >= params.max_tokens) or \
+                n_out + len(request.prompt_token_ids) >= self.config.max_model_len:
             self.finish(request, RequestStatus.FINISHED_LENGTH)

@@ -172,6 +172,39 @@ def test_lpm_orders_waiting_by_cached_prefix():
     assert out.requests[0] is sharing and out.num_computed[0] == 8
 
 
+def test_no_max_tokens_runs_to_max_model_len():
+    """`max_tokens` None is "up to max_model_len" for the scheduler too, not only once the engine has
+    replaced it."""
+    s = scheduler(max_model_len=32)
+    request = Request("open", list(range(100, 108)), SamplingParams(max_tokens=None), seed=0)
+    s.add(request)
+    while s.has_unfinished():
+        run_step(s)
+    assert request.status is RequestStatus.FINISHED_LENGTH and len(request.output_token_ids) == 32 - 8
+
+
+def test_lpm_breaks_ties_by_arrival_whatever_an_earlier_sort_left():
+    """A later request with a cached prefix goes first; once those pages are evicted, equal matches
+    go by arrival again, not by the order the earlier sort left."""
+    s = scheduler(queue_order="lpm", max_num_seqs=1)
+    first = make(12, max_tokens=1, first_token=3)
+    s.add(first)
+    run_step(s)  # its 2 full pages (8 tokens) stay cached
+    hog = make(4, max_tokens=3)
+    s.add(hog)
+    run_step(s)  # hog holds the only seat
+    earlier, later = make(12, max_tokens=1, arrival=1.0), make(12, max_tokens=1, arrival=2.0, first_token=3)
+    s.add(earlier)
+    s.add(later)
+    run_step(s)
+    assert list(s.waiting) == [later, earlier]  # the cached prefix first
+    s.kv.reset_prefix_cache()
+    while hog in s.running:
+        run_step(s)
+    out = run_step(s)
+    assert out.requests == [earlier]
+
+
 def test_a_step_scheduled_before_the_previous_ones_tokens_arrive():
     """Asynchronous scheduling: the second step is formed while the first one's tokens are on the device."""
     s = scheduler(build_step_inputs=True, eos_token_ids=frozenset({9}))
