@@ -117,6 +117,11 @@ def test_cache_blocks_validates_before_changing_anything():
     with pytest.raises(ValueError, match="cached elsewhere"):
         m.cache_blocks("b", [7] * 12)  # contradicts the tokens its shared blocks hold
     assert snapshot(m) == before
+    with pytest.raises(ValueError, match="disagree with the content of its cached blocks"):
+        m.cache_blocks("b", [7] * 8)  # no new page, but the two given contradict its cached ones
+    with pytest.raises(ValueError, match="disagree"):
+        m.free("b", [7] * 8)  # then the request is not freed
+    assert snapshot(m) == before and m.has_request("b")
 
 
 def test_allocate_evicts_cached_blocks_when_the_pool_runs_short():
@@ -218,6 +223,27 @@ def test_check_invariants_catches_a_corrupted_table():
         m.check_invariants()
 
 
+def test_check_invariants_catches_a_block_twice_or_shared_past_the_cached_pages():
+    m = KVCacheManager(num_blocks=8, block_size=2)
+    m.allocate("a", [1, 2, 3, 4, 5], 100)
+    m.check_invariants()
+    table = m._seqs["a"].block_table
+    m.block_pool.incref([table[0]])
+    m.block_pool.decref([table[1]])
+    table[1] = table[0]  # one block twice, the ref counts made to match the tables
+    with pytest.raises(AssertionError, match="a block twice in its table"):
+        m.check_invariants()
+    m = KVCacheManager(num_blocks=8, block_size=2)
+    m.allocate("t", [1, 2, 3], 100, "t")
+    m.allocate("u", [7, 8, 9], 100, "u")
+    shared = m.block_table("t")[0]
+    m.block_pool.decref([m.block_table("u")[0]])
+    m.block_pool.incref([shared])
+    m._seqs["u"].block_table[0] = shared  # an uncached block written by two tenants' requests
+    with pytest.raises(AssertionError, match="'t': a block past its cached pages is shared or cached"):
+        m.check_invariants()
+
+
 def test_check_invariants_catches_a_path_in_another_namespace():
     m = KVCacheManager(num_blocks=8, block_size=2)
     m.allocate("a", [1, 2, 3], 100, "tenant")
@@ -307,3 +333,26 @@ def test_grow_each_validates_before_changing_anything():
     with pytest.raises(ValueError):
         m.grow_each(["a", "b"], [4, 100])  # more blocks than the pool has
     assert snapshot(m) == before
+    with pytest.raises(ValueError, match="one token count per request and distinct requests"):
+        m.grow_each(["a", "a"], [4, 4])
+    with pytest.raises(ValueError, match="one token count per request"):
+        m.grow_each(["a", "b"], [4])
+    assert snapshot(m) == before
+    ids = ("a", "b")
+    assert m.grow_each(ids, np.array([4, 2]))  # the array path from here on
+    with pytest.raises(ValueError, match="one token count per request"):
+        m.grow_each(ids, np.array([5]))  # not broadcast over the group
+    m.check_invariants()
+
+
+def test_grow_each_keeps_no_reference_to_the_callers_array():
+    """A caller that grows its array in place between calls (`n += 1`) still has every token counted."""
+    m = KVCacheManager(num_blocks=16, block_size=4)
+    m.allocate("a", [1, 2, 3], 100)
+    m.allocate("b", [4, 5, 6], 100)
+    ids, n = ("a", "b"), np.array([4, 4], np.int64)
+    for _ in range(5):
+        assert m.grow_each(ids, n)
+        n += 1
+    assert m.slot_usage()[0] == 16 and [m.num_tokens(r) for r in ids] == [8, 8]
+    m.check_invariants()

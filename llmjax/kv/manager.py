@@ -99,6 +99,8 @@ class KVCacheManager:
         and its hit tokens are counted in `stats()` unless `count_query` is False (the
         scheduler's re-admission of a preempted request). `match_prefix` False: no cached prefix is
         used (a request that must compute its whole prompt; its pages are still cached later).
+        `namespace` (a tenant; the engine passes a str or None): requests share cached pages only
+        within one, namespaces being told apart as dict keys are (so 1 and True would be one).
         ValueError for a known req_id, empty token_ids, max_new_tokens < 1, or a request needing
         more blocks than the pool has in all.
         """
@@ -151,7 +153,7 @@ class KVCacheManager:
         crosses into a new block."""
         group = self._group
         if group is not None and req_ids is group.ids:
-            grown = self._grow_group(group, np.asarray(num_tokens, np.int64))
+            grown = self._grow_group(group, np.array(num_tokens, np.int64))  # a copy: the group keeps it
             if grown is not None:
                 return grown
         self._sync_group(forget=True)
@@ -161,6 +163,9 @@ class KVCacheManager:
         except KeyError as err:
             self._seq(err.args[0])  # raises the KeyError with its message
         num_tokens = np.asarray(num_tokens, np.int64).tolist()
+        if len(num_tokens) != len(held) or len(set(map(id, held))) != len(held):
+            raise ValueError(f"grow_each needs one token count per request and distinct requests, got "
+                             f"{len(held)} requests ({len(set(map(id, held)))} distinct), {len(num_tokens)} counts")
         # the requests that cross into a new block (or ask for fewer tokens than they hold: an error)
         short = [(seq, n) for seq, n in zip(held, num_tokens) if not seq.num_tokens <= n <= seq.capacity]
         for seq, n in short:
@@ -181,8 +186,8 @@ class KVCacheManager:
 
     def _grow_group(self, group: _Group, wanted: np.ndarray) -> bool | None:
         """`grow_each` on the group's arrays; None (nothing changed) when a request would shrink or
-        not fit the pool at all, which the general path reports."""
-        if (wanted < group.num_tokens).any():
+        not fit the pool at all, or the counts are not one per request, which the general path reports."""
+        if wanted.shape != group.num_tokens.shape or (wanted < group.num_tokens).any():
             return None
         crossing = np.flatnonzero(wanted > group.capacity).tolist()
         if crossing:
@@ -233,7 +238,12 @@ class KVCacheManager:
             raise ValueError(f"request {req_id!r} holds {seq.num_tokens} tokens, not {len(token_ids)}")
         cache = self.prefix_cache
         num_pages = len(token_ids) // self.block_size
-        if cache is None or num_pages <= seq.cached_pages:
+        if cache is None:
+            return
+        if num_pages <= seq.cached_pages:  # nothing new: the pages given must be the cached ones
+            bs, content = self.block_size, self.block_pool.content
+            if any(content(seq.block_table[i]) != tuple(token_ids[i * bs:(i + 1) * bs]) for i in range(num_pages)):
+                raise ValueError(f"request {req_id!r}: token_ids disagree with the content of its cached blocks")
             return
         node, canonical = cache.insert(token_ids, seq.block_table, seq.namespace)
         assert node is not None
@@ -301,9 +311,9 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Raise AssertionError unless: free + evictable + in use == num_blocks - 1; each block's ref
         count equals the number of block tables holding it (the tree holds no references); no
-        block is both free and mapped; each table covers its tokens exactly and starts with its
-        locked tree path, in its own namespace's tree; each cached node's blocks hold exactly its
-        tokens."""
+        block is both free and mapped; each table covers its tokens exactly, holds no block twice
+        and starts with its locked tree path, in its own namespace's tree, its other blocks its own
+        (uncached, held by no other table); each cached node's blocks hold exactly its tokens."""
         self._sync_group(forget=False)
         pool = self.block_pool
         pool.check_invariants()
@@ -312,6 +322,10 @@ class KVCacheManager:
             assert pool.ref_count(b) == holders[b], f"block {b}: ref count {pool.ref_count(b)}, {holders[b]} tables hold it"
         for req_id, seq in self._seqs.items():
             assert len(seq.block_table) == self.num_blocks_for(seq.num_tokens), f"{req_id!r}: table does not fit its tokens"
+            assert len(set(seq.block_table)) == len(seq.block_table), f"{req_id!r}: a block twice in its table"
+            own = seq.block_table[seq.cached_pages:]  # past its locked path: its own, shared with no one
+            assert all(pool.ref_count(b) == 1 and not pool.is_cached(b) for b in own), (
+                f"{req_id!r}: a block past its cached pages is shared or cached")
             assert seq.capacity == len(seq.block_table) * self.block_size, f"{req_id!r}: capacity drifted"
             if self.prefix_cache:
                 path = self.prefix_cache.path_blocks(seq.node)
