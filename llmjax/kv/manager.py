@@ -229,21 +229,17 @@ class KVCacheManager:
         """Insert the full pages of `token_ids` (the request's tokens whose KV is computed, a
         prefix of its sequence) into the tree and lock the longer path. Where another request
         already cached a page, the request's table switches to that canonical block, and only
-        then is its own duplicate released. A no-op with prefix caching off. KeyError for an
-        unknown request; ValueError when token_ids is longer than the tokens it holds or
-        disagrees with the content of its cached blocks."""
+        then is its own duplicate released. A no-op with prefix caching off, or when token_ids add
+        no page to the cached ones (they are then not compared with them: `free` calls it for every
+        finished request). KeyError for an unknown request; ValueError when token_ids is longer
+        than the tokens it holds or, adding a page, disagrees with the content of its cached blocks."""
         self._sync_group(forget=False)  # the tokens and capacities stay; block ids may be swapped
         seq = self._seq(req_id)
         if len(token_ids) > seq.num_tokens:
             raise ValueError(f"request {req_id!r} holds {seq.num_tokens} tokens, not {len(token_ids)}")
         cache = self.prefix_cache
         num_pages = len(token_ids) // self.block_size
-        if cache is None:
-            return
-        if num_pages <= seq.cached_pages:  # nothing new: the pages given must be the cached ones
-            bs, content = self.block_size, self.block_pool.content
-            if any(content(seq.block_table[i]) != tuple(token_ids[i * bs:(i + 1) * bs]) for i in range(num_pages)):
-                raise ValueError(f"request {req_id!r}: token_ids disagree with the content of its cached blocks")
+        if cache is None or num_pages <= seq.cached_pages:  # no new page: nothing to insert (or compare)
             return
         node, canonical = cache.insert(token_ids, seq.block_table, seq.namespace)
         assert node is not None
