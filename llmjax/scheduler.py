@@ -371,7 +371,8 @@ class Scheduler:
         size = self.config.batch_size
         full = len(self.waiting) >= size
         # the oldest request's wait: lpm may have put another first
-        timed_out = policy == "dynamic" and self.clock() - self.oldest_arrival() >= self.config.max_delay
+        # (the deadline as the simulator's clock reaches it: now - oldest >= max_delay can round false there)
+        timed_out = policy == "dynamic" and self.clock() >= self.oldest_arrival() + self.config.max_delay
         if full or timed_out or self.input_closed:
             self.batch = {r.key for r in list(self.waiting)[:size]}
 

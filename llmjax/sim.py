@@ -27,6 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from llmjax.config import ConfigError, EngineConfig
+from llmjax.kv import KVCacheManager
 from llmjax.request import Request
 from llmjax.sampling_params import SamplingParams
 from llmjax.scheduler import Scheduler, SchedulerOutput
@@ -148,15 +149,22 @@ class Simulator:
     def run(self, trace: Sequence[TraceRequest], until: float | None = None, progress: str | None = None) -> SimResult:
         """Serve `trace` until every request finishes (or the clock passes `until`).
 
-        ValueError for a request longer than `max_model_len` (before anything runs) or one the KV
-        pool can never hold (the KV cache's, when it is first scheduled); RuntimeError when nothing
-        can be scheduled and nothing will arrive.
+        ValueError, before anything runs, for a request id given twice, a request longer than
+        `max_model_len` or than a paged KV pool can ever hold (another KV cache refuses its own when
+        it is first scheduled); RuntimeError when nothing can be scheduled and nothing will arrive.
+        With `until`, the clock stops there (a step under way at `until` still ends).
         """
         ids = {t.request_id for t in trace}
+        if len(ids) != len(trace):
+            raise ValueError(f"{len(trace) - len(ids)} request ids of the trace are given twice")
+        pool_blocks = self.kv.block_pool.num_usable if isinstance(self.kv, KVCacheManager) else None
         for t in trace:
             if len(t.prompt) + t.output_len > self.config.max_model_len or t.output_len < 1 or not t.prompt:
                 raise ValueError(f"{t.request_id}: {len(t.prompt)} + {t.output_len} tokens do not fit "
                                  f"max_model_len {self.config.max_model_len}")
+            if pool_blocks is not None and self.kv.num_blocks_for(len(t.prompt) + t.output_len) > pool_blocks:
+                raise ValueError(f"{t.request_id}: {len(t.prompt)} + {t.output_len} tokens need more than the KV "
+                                 f"pool's {pool_blocks} blocks")
             if t.after is not None and (t.after not in ids or t.after == t.request_id):
                 raise ValueError(f"{t.request_id} waits for {t.after!r}, which is no other request of the trace")
         waiting_for: dict[str, list[TraceRequest]] = {}  # predecessor id -> requests that follow its finish
@@ -179,7 +187,7 @@ class Simulator:
             out = sched.schedule()
             if out.empty:
                 if not out.preempted:  # else the state changed: schedule again at the same time
-                    self.now = self._next_event(pending)
+                    self.now = self._next_event(pending) if until is None else min(self._next_event(pending), until)
                 continue
             dt = self.cost.step_time(out)
             self.now += dt

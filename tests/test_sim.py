@@ -151,6 +151,26 @@ def test_run_until_stops_early_and_rejects_oversized_requests() -> None:
     assert result.unfinished > 0 and 20.0 <= result.duration < 22.0
     with pytest.raises(ValueError):
         Simulator(CONFIG, kv, UNIT).run([TraceRequest("long", 0.0, [1] * 60, 10)])
+    # an idle clock stops at `until`, not at the next arrival past it
+    gap = [TraceRequest("a", 0.0, [1, 2, 3], 2), TraceRequest("b", 100.0, [4, 5, 6], 2)]
+    result = Simulator(CONFIG, KVCacheManager(num_blocks=24, block_size=4), UNIT).run(gap, until=10.0)
+    assert result.duration == 10.0 and len(result.finished) == 1
+    # refused before anything runs: a repeated id, and a request the pool can never hold (6 usable blocks)
+    small = KVCacheManager(num_blocks=7, block_size=4)
+    with pytest.raises(ValueError, match="given twice"):
+        Simulator(CONFIG, small, UNIT).run([gap[0], replace(gap[1], request_id="a")])
+    with pytest.raises(ValueError, match="need more than the KV pool's 6 blocks"):
+        Simulator(CONFIG, small, UNIT).run([TraceRequest("big", 0.0, [1] * 20, 8)])
+
+
+@pytest.mark.parametrize("arrival", [0.25, 0.5, 0.7])
+def test_a_dynamic_batch_leaves_at_its_deadline_whatever_the_rounding(arrival: float) -> None:
+    """The clock set to oldest + max_delay is the deadline: now - oldest may round below max_delay."""
+    config = CONFIG.replace(scheduling_policy="dynamic", batch_size=3, max_delay=0.1)
+    trace = [TraceRequest("a", arrival, [1, 2, 3], 2), TraceRequest("b", 5.0, [4, 5, 6], 2)]
+    result, _ = run_checked(config, KVCacheManager(num_blocks=24, block_size=4), trace)
+    first = next(r for r in result.finished if r.request_id == "a")
+    assert first.scheduled_time == arrival + 0.1
 
 
 def test_sharing_counts_shared_prompt_blocks_once_and_copies_on_write():
