@@ -274,9 +274,10 @@ class IncrementalDetokenizer:
       (`Tokenizer.byte_table`) through an incremental UTF-8 decoder: a list lookup and one call into
       Python's C codec per token, no tokenizer call. It holds back only the bytes of an incomplete
       character, where the others hold back a token's whole text, and it shows an invalid byte
-      (U+FFFD, as `decode` does) when it comes, where they wait for the next token. A prompt that
-      ends inside a character gives that character (or U+FFFD, if the output does not complete it)
-      with the first new text, as `DecodeStream` does;
+      (U+FFFD, as `decode` does) when it comes, where they wait for the next token. It needs no
+      context: the text is the decode of the output's ids alone, so the bytes of a character the
+      prompt left incomplete are no part of it (an output starting with their continuation shows
+      U+FFFD for it, as `decode` of the output does);
     - another HF tokenizer backed by `tokenizers` (every fast tokenizer): its `DecodeStream` (Rust,
       about a microsecond a token), primed with the prompt's last ids so leading spaces and byte
       fallback see their context; should it refuse a sequence, the request goes on windowed;
@@ -301,7 +302,6 @@ class IncrementalDetokenizer:
             self.add = tokenizer.token_to_text
         elif table is not None:
             self._table, self._utf8 = table, codecs.getincrementaldecoder("utf-8")("replace").decode
-            self._utf8(b"".join(table[i] for i in self.ids if 0 <= i < len(table)))  # a split character waits
             self.add = self._add_bytes
         elif isinstance(backend, tokenizers.Tokenizer) and DecodeStream is not None:
             self._backend = backend

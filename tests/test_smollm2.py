@@ -286,6 +286,19 @@ def test_every_detokenizer_strategy_gives_the_held_back_text_when_the_output_end
         assert detokenizer.finish() == ""
 
 
+def test_a_prompt_ending_inside_a_character_adds_nothing_to_the_text(ours):
+    """The byte-level text is the decode of the output's ids alone: a character the prompt left
+    incomplete shows no U+FFFD in the output, whether the output then starts a new character or
+    has no token at all."""
+    _, tokenizer = ours
+    prompt = tokenizer.encode("Hi ", add_special_tokens=False) + _split_character_ids(tokenizer)[-1:]
+    assert tokenizer.decode(prompt).endswith("\ufffd")
+    output = tokenizer.encode(" North", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    assert "".join(map(detokenizer.add, output)) + detokenizer.finish() == tokenizer.decode(output) == " North"
+    assert IncrementalDetokenizer(tokenizer, prompt).finish() == ""
+
+
 @pytest.mark.parametrize("output_kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
 def test_engine_text_of_an_output_ending_inside_a_character_is_the_decode(ours, output_kind):
     """A request whose last token leaves a character incomplete (ended by max_tokens, or by a stop id
