@@ -9,8 +9,8 @@ Wall-clock replay (`replay_engine`) adds each request when `time.monotonic()` pa
 then steps. JIT compilation would stall the clock, so (1) `warm_engine` compiles the step buckets
 the trace needs first (found by replaying it in the simulator, as `paper_repro/radix_hit_rate.py`
 does), and (2) any step that still compiles is cut out of the clock: its duration is subtracted from
-every timestamp after its start (its own tokens' included) and every later arrival (`Replay.compiles`
-counts them; normally 0).
+every timestamp after its end and every later arrival, and a timestamp inside it (its own tokens')
+is its start (`Replay.compiles` counts them; normally 0).
 
 For the experiments that load a server in a subprocess (`stream_interval.py`, `bench_client.py`,
 `router_overhead.py`, `load.py`, `routing.py`): `free_port`, `server_process` (start it, wait for
@@ -233,8 +233,13 @@ def replay_engine(engine, requests: list[TraceRequest], progress: str | None = N
     bar.close()
     sched.input_closed = False
 
-    def rel(t: float) -> float:  # a time stamped inside a compiling step (its tokens') comes after the stall
-        return t - origin - sum(d for start, d in shifts if start < t)
+    def rel(t: float) -> float:
+        """Time on the replay's clock: without the compiling steps' stalls; a time stamped inside one
+        (its tokens') is its start, since such a step spans no time."""
+        shift = 0.0
+        for start, d in shifts:
+            shift += d if start + d <= t else max(0.0, t - start)
+        return t - origin - shift
 
     timings = [Timing(o.request_id, rel(o.metrics.arrival_time), [rel(t) for t in o.metrics.token_times],
                       len(o.prompt_token_ids))
