@@ -238,7 +238,9 @@ class Workload:
         if self.args.dataset == "sharegpt":
             inputs = lognormal_lengths(self.rng, n, SHAREGPT.mean_prompt, SHAREGPT.sigma_prompt,
                                        min(1024, self.max_len - 1))
-            outputs = lognormal_lengths(self.rng, n, SHAREGPT.mean_output, SHAREGPT.sigma_output, self.max_len - inputs)
+            # the caps `_fit` applies, so that the solved mean is the mean sent (`_fit` cuts none of these)
+            output_caps = np.minimum(self.max_len // 2, self.max_len - inputs)
+            outputs = lognormal_lengths(self.rng, n, SHAREGPT.mean_output, SHAREGPT.sigma_output, output_caps)
             return [(int(i), int(o)) for i, o in zip(inputs, outputs)]
         return [(self._uniform(self.args.random_input_len), self._uniform(self.args.random_output_len))
                 for _ in range(n)]

@@ -255,8 +255,9 @@ smaller ones underuse the GPU. Our two measurements each show one side of that t
 
 ## Memory side: the simulator
 
-The `memory_waste` setting (OPT-13B, A100-40GB, 15,728 KV slots, our scheduler and paged KV
-manager without prefix caching), one trace per dataset (seed {args.seeds[0]}): ShareGPT 1000 requests at
+The `memory_waste` setting (OPT-13B, A100-40GB, {memory_waste.NUM_SLOTS:,} KV slots rounded down to whole
+blocks ({memory_waste.NUM_SLOTS // BLOCK_SIZES[-1] * BLOCK_SIZES[-1]:,} at block size {BLOCK_SIZES[-1]}), our scheduler and paged
+KV manager without prefix caching), one trace per dataset (seed {args.seeds[0]}): ShareGPT 1000 requests at
 2 req/s (the paper's Figure 13 rate), Alpaca 6000 at 60 req/s (where our simulated vLLM is just memory
 bound at block size 16; at the paper's 30 req/s it never is, the paper's GPU steps being slower than
 our cost model's), each run until every request finishes. Memory shares are averaged over the

@@ -385,3 +385,26 @@ def test_a_server_missing_what_bench_reads_is_an_error(card, detokenize, message
     with running_server(app) as url, pytest.raises(SystemExit) as exit_info:
         main(["bench", "--base-url", url, "--num-prompts", "1", "--random-input-len", "4", "--prompt-format", "text"])
     assert str(exit_info.value.code).startswith("error: ") and message in str(exit_info.value.code)
+
+
+@pytest.mark.parametrize("max_model_len", [1024, 2048])
+def test_sharegpt_requests_have_the_published_mean_lengths(max_model_len):
+    """The output lengths are solved under the caps that fit them to the context, so the lengths sent
+    (not only those drawn) have ShareGPT's published means, and none is cut afterwards."""
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    args = parser.parse_args(["--num-prompts", "2000", "--model", "m", "--dataset", "sharegpt",
+                              "--prompt-format", "ids"])
+    workload = bench_module.Workload(args, max_model_len, lambda ids: " ".join(map(str, ids)))
+    payloads = []
+
+    async def send(payload):
+        payloads.append(payload)
+    jobs, _ = workload.jobs()
+    for job in jobs:
+        asyncio.run(job(send))
+    inputs = np.array([len(p["prompt"]) for p in payloads])
+    outputs = np.array([p["max_tokens"] for p in payloads])
+    assert workload.capped == 0 and (inputs + outputs).max() <= max_model_len
+    assert abs(inputs.mean() - bench_module.SHAREGPT.mean_prompt) < 0.5
+    assert abs(outputs.mean() - bench_module.SHAREGPT.mean_output) < 0.5

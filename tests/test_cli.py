@@ -6,6 +6,7 @@ status 1). Parse-level, or on the tiny presets."""
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 
 import jax
@@ -281,6 +282,40 @@ def test_ports_and_replicas_are_range_checked(usage_error, argv, message):
 ])
 def test_empty_string_flags_are_refused(usage_error, argv, flag):
     usage_error(argv, f"argument {flag}: expected a non-empty value")
+
+
+def test_cluster_replicas_get_their_own_gpus(usage_error, monkeypatch, tmp_path):
+    """Replica i gets GPUs i*tp .. (i+1)*tp - 1 of those CUDA_VISIBLE_DEVICES (else nvidia-smi) lists, as
+    its own CUDA_VISIBLE_DEVICES set before its runtime starts; too few GPUs is a usage error."""
+    from llmjax.serve import cluster
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,GPU-ab12,7")
+    assert cluster.visible_gpus() == ["3", "5", "GPU-ab12", "7"]
+    assert cluster.replica_gpus(cluster.visible_gpus(), 2, 2) == ["3,5", "GPU-ab12,7"]
+    assert cluster.replica_gpus(cluster.visible_gpus(), 3, 1) == ["3", "5", "GPU-ab12"]
+    assert cluster.replica_gpus([], 2, 4) == [None, None]  # no GPUs: nothing assigned
+    usage_error(["cluster", "tiny-gqa", "--replicas", "5"],
+                "5 replicas of --tensor-parallel-size 1 need 5 GPUs; 4 visible")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert cluster.visible_gpus() == []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nprintf '0\\n1\\n'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    assert cluster.visible_gpus() == ["0", "1"]
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # a CPU run on a GPU machine assigns none
+    assert cluster.visible_gpus() == []
+
+    seen = []
+    monkeypatch.setattr(cluster, "exit_with_parent", lambda pid: None)
+    monkeypatch.setattr(cluster, "run_server", lambda args: seen.append(os.environ.get("CUDA_VISIBLE_DEVICES")))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    cluster.serve_replica(argparse.Namespace(), 0, "2,3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    cluster.serve_replica(argparse.Namespace(), 0, None)
+    assert seen == ["2,3", "0,1,2,3"]
 
 
 def test_a_port_in_use_is_an_error_before_the_model_loads(cli_error, monkeypatch):

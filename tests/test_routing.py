@@ -291,8 +291,10 @@ def _nested(depth: int) -> list:
 
 def test_request_text():
     assert request_text({"prompt": "hello"}, chat=False) == "hello"
-    assert request_text({"prompt": [1, 22, 333]}, chat=False) == "1 22 333"
-    assert request_text({"prompt": ["ab", [1, 2]]}, chat=False) == "ab\n1 2"
+    assert request_text({"prompt": [1, 22, 333]}, chat=False) == "1 22 333 "
+    longer_id = request_text({"prompt": [1, 22, 3334]}, chat=False)
+    assert not longer_id.startswith(request_text({"prompt": [1, 22, 333]}, chat=False))
+    assert request_text({"prompt": ["ab", [1, 2]]}, chat=False) == "ab\n1 2 "
     messages = [{"role": "system", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]
     assert request_text({"messages": messages}, chat=True) == "system\nbe brief\nuser\nhi there\n"

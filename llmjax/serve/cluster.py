@@ -21,6 +21,12 @@ and the replicas get SIGTERM, then SIGKILL after 30 s; every child is joined, so
 Linux each replica asks the kernel for SIGTERM when its launcher dies (`exit_with_parent`), so
 none is left serving on its port.
 
+GPUs: on a machine with NVIDIA GPUs, replica i gets its own `--tensor-parallel-size` of them (GPUs
+i*tp .. (i+1)*tp - 1 of those `CUDA_VISIBLE_DEVICES` lists, or else of `nvidia-smi`'s), set as its
+`CUDA_VISIBLE_DEVICES` before its JAX runtime starts, as SGLang's data-parallel launcher gives each
+replica its own; more replicas than that fills is a usage error. With `JAX_PLATFORMS` naming no GPU
+platform, or no GPU found, nothing is assigned (replicas on the CPU share its cores).
+
 Replicas on other machines need no launcher: start `llmjax serve` there and give their URLs to
 `llmjax router --workers`.
 """
@@ -32,7 +38,9 @@ import ctypes
 import math
 import multiprocessing
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -67,11 +75,46 @@ def exit_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def serve_replica(args: argparse.Namespace, launcher_pid: int) -> None:
+def visible_gpus() -> list[str]:
+    """The NVIDIA GPUs the replicas share out (ids as `CUDA_VISIBLE_DEVICES` takes them): its own
+    entries when it is set, else the indices `nvidia-smi` lists; none when `JAX_PLATFORMS` names no
+    GPU platform or no GPU is found."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and not {"cuda", "gpu"} & {p.strip().lower() for p in platforms.split(",")}:
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [d.strip() for d in visible.split(",") if d.strip()]
+        return [] if ids[:1] == ["-1"] else ids  # CUDA's "-1": no device
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                                text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):  # a driver that does not answer: no usable GPU
+        return []
+    return [line.strip() for line in listed.splitlines() if line.strip()]
+
+
+def replica_gpus(gpus: list[str], replicas: int, tensor_parallel_size: int) -> list[str | None]:
+    """Each replica's `CUDA_VISIBLE_DEVICES`: its own `tensor_parallel_size` of `gpus` in order (None
+    for all when there are no GPUs). UsageError when the replicas need more GPUs than there are."""
+    if not gpus:
+        return [None] * replicas
+    if replicas * tensor_parallel_size > len(gpus):
+        raise UsageError(f"{replicas} replicas of --tensor-parallel-size {tensor_parallel_size} need "
+                         f"{replicas * tensor_parallel_size} GPUs; {len(gpus)} visible ({','.join(gpus)})")
+    return [",".join(gpus[i * tensor_parallel_size:(i + 1) * tensor_parallel_size]) for i in range(replicas)]
+
+
+def serve_replica(args: argparse.Namespace, launcher_pid: int, gpus: str | None) -> None:
     """A replica process: `run_server` until stopped, or until the launcher dies (`exit_with_parent`);
     interrupted (Ctrl-C reaches the whole process group) while it loads or warms up, it exits with
-    status 0 (stopped on purpose), without a traceback."""
+    status 0 (stopped on purpose), without a traceback. `gpus`: its `CUDA_VISIBLE_DEVICES` (set before
+    JAX starts its runtime, which reads it), None to leave it as inherited."""
     exit_with_parent(launcher_pid)
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
     try:
         run_server(args)
     except KeyboardInterrupt:
@@ -81,8 +124,8 @@ def serve_replica(args: argparse.Namespace, launcher_pid: int) -> None:
 class Replica:
     """One replica's process and restart state. Owned by the `Supervisor` (its lock guards `proc`)."""
 
-    def __init__(self, args: argparse.Namespace, port: int):
-        self.args, self.port = replica_args(args, port), port
+    def __init__(self, args: argparse.Namespace, port: int, gpus: str | None = None):
+        self.args, self.port, self.gpus = replica_args(args, port), port, gpus
         self.url = f"http://127.0.0.1:{port}"
         self.proc: multiprocessing.Process | None = None
         self.started_at = 0.0
@@ -92,7 +135,7 @@ class Replica:
 
     def start(self) -> None:
         context = multiprocessing.get_context("spawn")
-        self.proc = context.Process(target=serve_replica, args=(self.args, os.getpid()),
+        self.proc = context.Process(target=serve_replica, args=(self.args, os.getpid(), self.gpus),
                                     name=f"llmjax-replica-{self.port}")
         self.proc.start()
         self.started_at, self.restart_at = time.monotonic(), None
@@ -202,7 +245,8 @@ def replica_ports(args: argparse.Namespace) -> range:
 
 
 def check_cluster_args(args: argparse.Namespace) -> None:
-    """UsageError unless every replica port is in 1..65535 and none is the router's `--port`."""
+    """UsageError unless every replica port is in 1..65535 and none is the router's `--port`, and the
+    replicas' GPUs, if any, are enough (`replica_gpus`)."""
     ports = replica_ports(args)
     if args.replica_base_port is None and args.port == 0:
         raise UsageError("--port 0 (any free port) leaves the replicas' ports unknown: give --replica-base-port")
@@ -211,6 +255,7 @@ def check_cluster_args(args: argparse.Namespace) -> None:
                          "default --port + 1) must be in 1..65535")
     if args.port in ports:
         raise UsageError(f"--port {args.port} is also a replica's port ({ports[0]}..{ports[-1]})")
+    replica_gpus(visible_gpus(), args.replicas, args.tensor_parallel_size)
 
 
 def run_cluster(args: argparse.Namespace) -> None:
@@ -224,7 +269,8 @@ def run_cluster(args: argparse.Namespace) -> None:
         resolve_source(args.model)  # a bad path fails here once, not in every replica
     for host, port in [(args.host, args.port), *(("127.0.0.1", p) for p in replica_ports(args))]:
         bind_socket(host, port).close()  # SystemExit `error: cannot listen on ...` for a port in use
-    replicas = [Replica(args, port) for port in replica_ports(args)]
+    replicas = [Replica(args, port, gpus) for port, gpus in
+                zip(replica_ports(args), replica_gpus(visible_gpus(), args.replicas, args.tensor_parallel_size))]
     supervisor = Supervisor(replicas)
     # SIGTERM unwinds to `finally` (uvicorn re-raises the signal it caught after its shutdown).
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

@@ -163,9 +163,10 @@ def _is_token_ids(prompt: list) -> bool:
 
 
 def _prompt_text(prompt: Any) -> str:
-    """One prompt: a string, or token ids joined by spaces."""
+    """One prompt: a string, or token ids each followed by a space (so the key of ids [1, 2, 3] is no
+    prefix of the key of [1, 2, 34])."""
     if isinstance(prompt, list) and _is_token_ids(prompt):
-        return " ".join(map(str, prompt))
+        return "".join(f"{t} " for t in prompt)
     return _str(prompt)
 
 
@@ -642,10 +643,14 @@ def serve_router(urls: list[str], args: argparse.Namespace) -> None:
     `routing.add_router_args`, plus `--uvicorn-log-level` and `--timeout-keep-alive`)."""
     import uvicorn
 
-    from llmjax.serve.server import http_url, run_until_stopped, warn_if_exposed
+    from llmjax.serve.server import http_url, resolve_api_key, run_until_stopped, warn_if_exposed
 
-    warn_if_exposed(args.host, "with a router that checks no API key: give the replicas --api-key (the router "
-                               "relays Authorization); its /workers and /metrics, which name the replicas, are open")
+    # `llmjax cluster` gives its replicas its own serve flags and environment, the API key with them
+    replicas_keyed = hasattr(args, "api_key") and resolve_api_key(args) is not None
+    warn_if_exposed(args.host, "with a router that checks no API key: " + (
+        "the replicas check it (the router relays Authorization)" if replicas_keyed else
+        "give the replicas --api-key (the router relays Authorization)")
+        + "; its /workers and /metrics, which name the replicas, are open")
     app = build_router_app(urls, routing.policy_from_args(args), args.health_check_interval,
                            args.health_check_timeout, args.health_failure_threshold, args.request_timeout)
     print(f"routing ({args.policy}) over {len(urls)} workers at {http_url(args.host, args.port)}/v1", flush=True)
