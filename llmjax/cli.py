@@ -60,13 +60,14 @@ def check_server_policy(args: argparse.Namespace) -> None:
 
 
 def sampling_params_from_args(args: argparse.Namespace):
-    """`llmjax generate`'s `SamplingParams`; UsageError for an invalid value."""
+    """`llmjax generate`'s `SamplingParams`; UsageError naming the flag for an invalid value."""
     from llmjax.sampling_params import SamplingParams, SamplingParamsError
 
     try:
         return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_p=args.top_p)
     except SamplingParamsError as exc:
-        raise UsageError(str(exc)) from None
+        flag = f"--{exc.param.replace('_', '-')}: " if exc.param else ""
+        raise UsageError(f"{flag}{exc}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

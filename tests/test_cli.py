@@ -120,9 +120,9 @@ def test_a_server_refuses_the_multi_host_flags(usage_error, command):
                            "-tp", "2"], "a server runs on one host")
 
 
-@pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "temperature must be >= 0"),
-                                            (["--max-tokens", "0"], "max_tokens"),
-                                            (["--top-p", "1.5"], "top_p"),
+@pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "--temperature: temperature must be >= 0"),
+                                            (["--max-tokens", "0"], "--max-tokens: max_tokens"),
+                                            (["--top-p", "1.5"], "--top-p: top_p"),
                                             (["--stream-interval", "4"], "--stream-interval has no effect"),
                                             (["--queue-order", "lpm", "--enable-prefix-caching"],
                                              "--queue-order has no effect"),
