@@ -97,7 +97,7 @@ RELAYED_PATHS = (("GET", "/v1/models"), ("GET", "/v1/models/{model:path}"), ("PO
 def request_text(body: Any, chat: bool) -> str:
     """The text a request is matched on: the chat messages concatenated (role, newline, content,
     newline each; the text parts of a content list joined), or the completion prompt: a string as
-    is, token ids joined by spaces, several prompts joined by newlines. Never raises, whatever the
+    is, token ids each followed by a space, several prompts joined by newlines. Never raises, whatever the
     JSON: a part of another shape counts as "" (the worker will refuse it)."""
     if not isinstance(body, dict):
         return ""
