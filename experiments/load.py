@@ -343,7 +343,9 @@ def report(args, stats: dict, states: list[dict], health: dict, restarted: bool,
         f"`python experiments/load.py --duration {args.duration:g} --clients {args.clients} --warmup-load "
         f"{args.warmup_load:g}` against `llmjax cluster {args.model} --replicas {REPLICAS}` "
         f"({' '.join(args.server_args)}); one replica killed with SIGKILL {args.duration / 3:.0f} s into the "
-        "measured phase. Counts and latencies are of the measured phase; failures of both phases count.", "",
+        "measured phase. Request counts and latencies are of the measured phase; failures of both phases count; "
+        "the `/health` probes run from the warm-up's start until the replicas are idle after the measured phase "
+        "(the wait for the killed replica's restart included).", "",
         f"- result: **{'PASS' if ok else 'FAIL'}**",
         f"- requests: {total} in {elapsed:.1f} s ({total / elapsed:.1f} req/s): "
         + ", ".join(f"{k} {v}" for k, v in sorted(stats["requests"].items())),

@@ -7,7 +7,8 @@ ignore_eos. The embedded SmolLM2-135M (float32) on this CPU. The rungs, each add
 0. HF transformers `generate` at its best setting: static batches of each of `--hf-batches` in bfloat16
    and float32 (left padding, KV cache on, torch threads = the cores), all swept in this run, on every
    request (or, with `--hf-requests N`, on the first N only, its time scaled to the workload by output
-   tokens); the fastest is rung 0, and the sweep is reported.
+   tokens), one pass each; the fastest is rung 0, and the sweep is reported. Rung 0 (and HF at rung 1's
+   dtype and batch, its "previous") is then timed in the engine rungs' passes, like them.
 1. llmjax, static batching, contiguous KV: a contiguous cache reserves max_model_len per request, so the
    fixed KV budget (`--slots` x max_model_len tokens) admits `--slots` requests: emulated by
    max_num_seqs = batch_size = `--slots` (our paged pool of the same size holds them).
@@ -19,8 +20,10 @@ ignore_eos. The embedded SmolLM2-135M (float32) on this CPU. The rungs, each add
 6. + Pallas kernels (only when JAX sees a GPU; rungs 1-5 then use the pure-JAX attention).
 
 Measured per rung: output tokens/s, mean TTFT and p50 TPOT from the start of the run, and the multiple
-over rung 0. Each engine rung's step buckets are compiled before it is timed; the engine rungs run
-`--passes` times, the ladder forward, then backward, ..., and each reports its median pass.
+over rung 0. Each engine rung's step buckets are compiled before it is timed; the rungs (HF's among
+them) run `--passes` times, the ladder forward, then backward, ..., and each reports its median pass;
+a ratio to the previous rung counts as resolved only when the two rungs' ranges over their passes do
+not overlap.
 
     python experiments/synergy.py [--requests 32] [--slots 4] [--hf-batches 4,8,16,32] [--passes 3]
     python experiments/synergy.py --quick      (smoke run into build/results-quick/)
@@ -47,6 +50,8 @@ from llmjax.workloads import lognormal_lengths  # noqa: E402
 from paper_repro.traces import random_tokens  # noqa: E402
 
 MAX_MODEL_LEN = 512
+BLOCK_SIZE = 16  # EngineConfig's default, which the rungs keep
+HF_BEST, HF_AT_RUNG_1 = "0. HF generate, best of the sweep", "HF generate at rung 1's dtype and batch"
 
 
 def workload(n: int, prefixes: int, prefix_len: int, seed: int, vocab: int) -> list[TraceRequest]:
@@ -160,31 +165,44 @@ def main() -> None:
     mean_len = np.mean([len(r.prompt) + r.output_len for r in requests])
     paged_batch = int(args.slots * MAX_MODEL_LEN // mean_len)
     kv_per_token = 2 * 3 * 64 * 30 * 4  # SmolLM2-135M, fp32
-    kv_bytes = args.slots * MAX_MODEL_LEN * kv_per_token + 16 * 64 * kv_per_token  # + slack for block rounding
+    # the budget, plus block rounding: one partly filled block per request of a paged batch, and the null block
+    kv_tokens = args.slots * MAX_MODEL_LEN + (paged_batch + 1) * BLOCK_SIZE
+    kv_bytes = kv_tokens * kv_per_token
 
     results: dict[str, Replay] = {}
     hf_subset = requests[: args.hf_requests or None]
     sweep = []
     for dtype in ("bfloat16", "float32"):
         for batch in args.hf_batches:
-            replay = run_hf(hf_subset, batch, dtype)
-            sweep.append({"batch": batch, "dtype": dtype, "tokens_per_s": replay.stats()["tokens_per_s"],
-                          "replay": replay})
+            sweep.append({"batch": batch, "dtype": dtype,
+                          "tokens_per_s": run_hf(hf_subset, batch, dtype).stats()["tokens_per_s"]})
     best = max(sweep, key=lambda r: r["tokens_per_s"])
-    hf = best["replay"]
     hf_scale = out_tokens / sum(r.output_len for r in hf_subset)
+    # HF's settings timed in the passes: rung 0, and HF at rung 1's dtype and batch (its "previous") if swept
+    hf_settings = {HF_BEST: (best["batch"], best["dtype"])}
+    if args.slots in args.hf_batches:
+        hf_settings[HF_AT_RUNG_1] = (args.slots, "float32")
     gpu = jax.default_backend() == "gpu"
     engines = {}
     for name, cfg in rungs(args.slots, paged_batch, args.chunk, kv_bytes, gpu).items():
         engines[name] = make_engine(None, cfg)
         warm_engine(engines[name], requests, full_pass=False)  # offline: the simulator's schedule is exact
-    passes: dict[str, list[Replay]] = {name: [] for name in engines}
+    ladder = [*hf_settings, *engines]
+    passes: dict[str, list[Replay]] = {name: [] for name in ladder}
     for k in range(args.passes):  # forward, then backward, ...: a drift in the machine's speed weighs on all rungs
-        for name in (list(engines) if k % 2 == 0 else list(engines)[::-1]):
+        for name in (ladder if k % 2 == 0 else ladder[::-1]):
+            if name in hf_settings:
+                passes[name].append(run_hf(hf_subset, *hf_settings[name]))
+                continue
             engines[name].kv.reset_prefix_cache()  # each pass computes the shared prompts anew
             passes[name].append(replay_engine(engines[name], requests, progress=f"{name}, pass {k + 1}"))
     for name, runs in passes.items():
         results[name] = sorted(runs, key=lambda r: r.duration)[(len(runs) - 1) // 2]  # the median pass
+    hf = results.pop(HF_BEST)
+    rung1_baseline = results.pop(HF_AT_RUNG_1, None)
+
+    def rates(name: str) -> list[float]:
+        return [p.stats()["tokens_per_s"] for p in passes[name]]
 
     rows = []
     hf_stats = hf.stats()
@@ -193,18 +211,25 @@ def main() -> None:
                  "tokens_per_s": hf_stats["tokens_per_s"], "duration_s": hf.duration * hf_scale,
                  # on a subset fewer batches queue before the last: its TTFT is not the workload's
                  "ttft_mean_ms": float("nan") if subset else hf_stats["ttft_mean_ms"],
-                 "tpot_p50_ms": hf_stats["tpot_p50_ms"], "compiles": 0, "range": "one pass"})
+                 "tpot_p50_ms": hf_stats["tpot_p50_ms"], "compiles": 0, "rates": rates(HF_BEST)})
     for name, r in results.items():
-        rates = [p.stats()["tokens_per_s"] for p in passes[name]]
         rows.append({"rung": name, **r.stats(), "compiles": sum(p.compiles for p in passes[name]),
-                     "range": f"{min(rates):.1f}-{max(rates):.1f}"})
-    for row in rows:
-        row["vs_hf"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
-        row["vs_prev"] = row["tokens_per_s"] / rows[max(rows.index(row) - 1, 0)]["tokens_per_s"]
+                     "rates": rates(name)})
     # Rung 1 differs from rung 0 (HF's best) in more than one thing: its "previous" is HF at rung 1's own
     # dtype and batch, where the sweep has it
-    alike = [r for r in sweep if (r["dtype"], r["batch"]) == ("float32", args.slots)]
-    rows[1]["vs_prev"] = rows[1]["tokens_per_s"] / alike[0]["tokens_per_s"] if alike else float("nan")
+    previous = [rows[0], {"tokens_per_s": rung1_baseline.stats()["tokens_per_s"], "rates": rates(HF_AT_RUNG_1)}
+                if rung1_baseline else None, *rows[1:-1]]
+    for row, prev in zip(rows, previous):
+        row["vs_hf"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+        row["range"] = f"{min(row['rates']):.1f}-{max(row['rates']):.1f}"
+        if prev is None:
+            row["vs_prev"], row["resolved"] = float("nan"), "n/a"
+        elif prev is row:
+            row["vs_prev"], row["resolved"] = 1.0, ""
+        else:
+            row["vs_prev"] = row["tokens_per_s"] / prev["tokens_per_s"]
+            apart = min(row["rates"]) > max(prev["rates"]) or max(row["rates"]) < min(prev["rates"])
+            row["resolved"] = "yes" if apart else "no: ranges overlap"
 
     out.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
@@ -217,12 +242,13 @@ def main() -> None:
     axes[0].set_title("throughput ladder (SmolLM2-135M, this CPU)")
     axes[1].barh(labels, [r["ttft_mean_ms"] / 1e3 for r in rows], color="tab:orange", label="mean TTFT")
     axes[1].invert_yaxis(), axes[1].set_xlabel("mean TTFT (s, all requests queued at t=0)")
-    axes[1].set_yticklabels([])
+    axes[1].set_yticklabels([]), axes[1].set_title("mean time to first token")
     fig.tight_layout()
     fig.savefig(out / "synergy.png", dpi=110)
 
     last = rows[-1]
     columns = [("rung", "rung", ""), ("tokens_per_s", "output tok/s", ".1f"), ("vs_prev", "vs previous", ".2f"),
+               ("resolved", "vs previous outside the noise", ""),
                ("vs_hf", "vs HF", ".2f"), ("ttft_mean_ms", "mean TTFT (ms)", ".0f"),
                ("tpot_p50_ms", "TPOT p50 (ms)", ".0f"), ("range", "tok/s over passes", ""),
                ("compiles", "compile stalls", "d")]
@@ -232,7 +258,8 @@ def main() -> None:
         f"system prompts + 8-40 unique tokens, {out_tokens} output tokens (log-normal, mean 40, cap 96); "
         f"SmolLM2-135M (float32 unless a rung says otherwise) on this CPU, greedy, ignore_eos. KV budget: {args.slots} x {MAX_MODEL_LEN} "
         f"(max_model_len) tokens, which a contiguous cache fills with {args.slots} requests and the paged "
-        f"cache with {paged_batch} (average request {mean_len:.0f} tokens). Chunk budget {args.chunk} tokens. "
+        f"cache with {paged_batch} (average request {mean_len:.0f} tokens); the pool holds {kv_tokens} tokens, the "
+        f"budget plus one {BLOCK_SIZE}-token block per paged request and the null block for block rounding. Chunk budget {args.chunk} tokens. "
         f"Rung 1 emulates contiguous KV by capping the batch at {args.slots} (see the script's docstring). "
         f"HF runs {len(hf_subset)} of the {args.requests} requests (each step timed through `generate`'s "
         f"streamer hook), torch threads {torch.get_num_threads()}; its sweep (output tok/s): "
@@ -246,16 +273,17 @@ def main() -> None:
         f"alone (rung 3 over rung 1): {rows[3]['tokens_per_s'] / rows[1]['tokens_per_s']:.1f}x. (The article: "
         "several-fold; vLLM: up to 24x over HF on a GPU.)", "",
         f"Rung 1's \"vs previous\" is against HF at its own dtype and batch (float32, batch {args.slots}"
-        + ("" if alike else ": not in this run's sweep") + "), not against rung 0; each later rung's is "
+        + ("" if rung1_baseline else ": not in this run's sweep") + "), not against rung 0; each later rung's is "
         "against the rung above it. "
-        f"Each engine rung is the median of {args.passes} passes, the ladder run forward, then backward, and so on "
-        "(so a drift in the shared CPU's speed weighs on every rung); the range over its passes is this CPU's "
-        "run-to-run noise, which bounds what a neighbouring rung's ratio means. HF's configurations are one pass "
-        "each, after an untimed call. For the gain of continuous over static batching at GPU scale (simulated A100 "
+        f"Each rung, HF's rung 0 and HF at rung 1's setting included, is the median of {args.passes} passes, the "
+        "ladder run forward, then backward, and so on (so a drift in the shared CPU's speed weighs on every "
+        "rung); the range over its passes is this CPU's run-to-run noise, and a ratio to the previous rung "
+        "counts as outside the noise only when the two ranges do not overlap. HF's sweep, which picks rung 0, "
+        "is one pass per setting, each after an untimed call. For the gain of continuous over static batching at GPU scale (simulated A100 "
         "with OPT-13B), see [batching](batching.md).",
     ])
     write_report("synergy", "Optimizations one at a time", body,
-                 {"rows": rows, "hf_sweep": [{k: v for k, v in r.items() if k != "replay"} for r in sweep],
+                 {"rows": rows, "hf_sweep": sweep,
                   "hf_best": {"batch": best["batch"], "dtype": best["dtype"]},
                   "rung1_baseline": {"batch": args.slots, "dtype": "float32"}, "torch_threads": torch.get_num_threads(),
                   "args": vars(args)}, out)
