@@ -37,6 +37,18 @@ def results_dir(quick: bool = False) -> Path:
     return ROOT / ("build/results-quick" if quick else "results")
 
 
+def _from_root(arg: str) -> str:
+    """A script named by its path from the repository's root (the command then runs from there,
+    wherever it was started); any other argument as it is."""
+    path = Path(arg)
+    if path.suffix != ".py" or not path.is_file():
+        return arg
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:  # a script outside the repository
+        return arg
+
+
 def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
@@ -113,7 +125,7 @@ def provenance() -> dict:
         **CODE_AT_START,
         "code_changed_during_run": None if changed is None else changed != set(CODE_AT_START["dirty_paths"] or ()),
         "commit_at_write": now["commit"],
-        "command": " ".join(shlex.quote(a) for a in [Path(argv[0]).name, *argv[1:]]),
+        "command": " ".join(shlex.quote(a) for a in [Path(argv[0]).name, *map(_from_root, argv[1:2]), *argv[2:]]),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "machine": {"cores": cores, "cpu": _cpu_model(), "memory_gib": _memory_gib(),
                     "platform": platform.platform(), "accelerator": _accelerator()},
