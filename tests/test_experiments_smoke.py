@@ -188,6 +188,8 @@ def test_kv_bookkeeping_serves_every_request_and_plots(tmp_path):
     cost = kv_bookkeeping.run_stream(m, prompts, outputs, args.num_running)
     m.check_invariants()
     assert cost["free"][0] == args.num_requests and cost["preempt"][0] > 0
+    # admitted allocations, counted apart from refused ones: each request's first, then one per preemption
+    assert cost["allocate"][0] == args.num_requests + cost["preempt"][0] and cost["refused allocate"][0] > 0
     assert m.usage().used == 0
     steps = {batched: kv_bookkeeping.decode_step_cost(args, prompts, batched) for batched in (False, True)}
     assert all(len(times) == args.decode_steps for times in steps.values())
