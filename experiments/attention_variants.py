@@ -9,10 +9,12 @@ smaller attention get a wider MLP, so quality differences are not parameter diff
    over the token slots they hold).
 2. Capacity: how many requests of `--request-len` tokens our `KVCacheManager` admits in one fixed KV
    budget (allocating each request's whole length, i.e. the concurrency it can sustain to the end).
-3. Decode throughput on this CPU at that batch (capped at `--max-batch`): that many requests prefill, then
-   decode `--decode-tokens` tokens; output tokens/s over the decode-only steps, every variant on the
-   pure-JAX attention (the native CPU kernel has no MLA path), after a compiling pass; the median of
-   `--decode-rounds` passes, the variants in turn.
+3. Decode throughput on this CPU at that batch (capped at `--max-batch`): that many requests of
+   `--request-len` / 2 prompt tokens prefill, then decode `--decode-tokens` tokens; output tokens/s over
+   the decode-only steps, every variant on the pure-JAX attention (the native CPU kernel has no MLA
+   path), after a compiling pass; the median of `--decode-rounds` passes, the variants in turn. The
+   same at one equal batch for all (the smallest capacity): the variants' decode speed apart from
+   how many requests their KV budget admits.
 4. Quality: each variant trained on the same byte-level corpus (the Python standard library's source,
    bytes as token ids < 512), once per seed in `--seeds` (a seed fixes the initialisation and the batch
    order, identical across variants), AdamW; validation loss and perplexity on held-out files (the
@@ -232,8 +234,14 @@ def plot(rows: list[dict], runs: dict[str, list[dict]], path) -> None:
     ax.set_ylabel("KV cache per token (KiB, fp32)"), ax.set_title("KV per token (label: requests a fixed budget holds)")
     ax.set_ylim(0, max(r["allocated"] for r in rows) / 1024 * 1.3)
     ax = axes[1]
-    ax.bar(names, [r["decode_tok_s"] for r in rows], color="tab:green")
-    ax.set_ylabel("decode tokens/s on this CPU"), ax.set_title("decode throughput at the batch the budget admits")
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["decode_tok_s"] for r in rows], 0.4, color="tab:green", label="at the batch its budget admits")
+    ax.bar(x + 0.2, [r["equal_batch_tok_s"] for r in rows], 0.4, color="tab:olive",
+           label=f"at batch {min(r['batch'] for r in rows)}, all alike")
+    for i, r in enumerate(rows):
+        ax.text(i - 0.2, r["decode_tok_s"], f"batch {r['batch']}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(x, names), ax.legend(fontsize=8)
+    ax.set_ylabel("decode tokens/s on this CPU"), ax.set_title("decode throughput (median of passes)")
     ax = axes[2]
     for row, (name, seed_runs) in zip(rows, runs.items()):
         run = seed_runs[0]
@@ -296,14 +304,21 @@ def main() -> None:
                      "mlp_width": cfg.intermediate_size, "formula": text, "elements": elems,
                      "formula_bytes": elems * DTYPE_BYTES, "config_bytes": cfg.kv_bytes_per_token(DTYPE_BYTES),
                      "allocated": allocated, "capacity": cap, "batch": batch, "params_m": param_count(cfg) / 1e6})
+    equal_batch = min(batch for _, batch in engines.values())
+    for engine, _ in tqdm(engines.values(), desc=f"decode at batch {equal_batch} compiled", unit="variant"):
+        decode_throughput(engine, equal_batch, args.request_len // 2, args.decode_tokens)
     rates = {name: [] for name in engines}
+    equal_rates = {name: [] for name in engines}
     for k, name in tqdm(list(alternating(list(engines), args.decode_rounds)), desc="decode passes, in turn"):
         engine, batch = engines[name]
         rates[name].append(decode_throughput(engine, batch, args.request_len // 2, args.decode_tokens))
+        equal_rates[name].append(decode_throughput(engine, equal_batch, args.request_len // 2, args.decode_tokens))
     for row in rows:
         row["decode_tok_s_passes"] = rates[row["variant"]]
         row["decode_tok_s"] = float(np.median(rates[row["variant"]]))
         row["decode_span"] = f"{min(rates[row['variant']]):.0f}-{max(rates[row['variant']]):.0f}"
+        row["equal_batch_tok_s_passes"] = equal_rates[row["variant"]]
+        row["equal_batch_tok_s"] = float(np.median(equal_rates[row["variant"]]))
     del engines
     # Training after every timing, so the decode measurements never share the CPU with it.
     for name, cfg in tqdm(configs.items(), desc="training (all seeds of a variant)", unit="variant"):
@@ -325,7 +340,7 @@ def main() -> None:
                ("formula_bytes", "formula bytes", "d"), ("allocated", "allocated bytes", ".0f"),
                ("vs_mha", "vs MHA", ".3f"), ("capacity", f"requests in {args.kv_budget_mib:g} MiB", "d"),
                ("batch", "batch run", "d"), ("decode_tok_s", "decode tok/s (median)", ".0f"),
-               ("decode_span", "over passes", ""),
+               ("decode_span", "over passes", ""), ("equal_batch_tok_s", f"decode tok/s at batch {equal_batch}", ".0f"),
                ("val_loss", "val loss (mean)", ".3f"), ("ppl", "val ppl", ".2f")]
     tokens = runs["MHA"][0]["tokens"]
     best = min(rows, key=lambda r: r["val_loss"])
@@ -340,7 +355,8 @@ def main() -> None:
         f"widened so the parameter counts match MHA's within {PARAM_TOLERANCE:.0%} (here {min(params):.3f}-"
         f"{max(params):.3f}M, {max(params) / min(params) - 1:.2%} apart). KV budget {args.kv_budget_mib:g} MiB, "
         f"requests of {args.request_len} tokens; decode throughput on this CPU at min(capacity, {args.max_batch}) "
-        f"requests, every variant on the pure-JAX attention (`xla`: the native CPU kernel has no MLA path), the "
+        f"requests, and at {equal_batch} requests for all (the smallest capacity), each request {args.request_len // 2} "
+        f"prompt and {args.decode_tokens} output tokens, every variant on the pure-JAX attention (`xla`: the native CPU kernel has no MLA path), the "
         f"median of {args.decode_rounds} passes taken in turn after a compiling one. Training: "
         f"{args.train_steps} AdamW steps of {args.batch}x{args.seq} bytes ({tokens / 1e6:.2f}M "
         f"tokens) of the Python standard library's source per run, seeds {','.join(map(str, seeds))} "

@@ -314,6 +314,10 @@ def attention_variants(d: dict, n: Numbers) -> str:
     return (f"KV per token vs MHA: {' / '.join(f'{v} ' + n(rows[v]['vs_mha'], '.1%') for v in names[1:])}; "
             f"{n(d['args']['kv_budget_mib'], 'g')} MiB holds {n.join([rows[v]['capacity'] for v in names], 'd')} "
             f"requests, decoding {n.join([rows[v]['decode_tok_s'] for v in names], '.0f')} tok/s on this CPU"
+            + (f" at the batch each budget admits ({n.join([rows[v]['batch'] for v in names], 'd')}), "
+               f"{n.join([rows[v]['equal_batch_tok_s'] for v in names], '.0f')} tok/s at batch "
+               f"{n(min(rows[v]['batch'] for v in names), 'd')} for all"
+               if "equal_batch_tok_s" in rows[names[0]] else "")
             + (" (one attention implementation for all, medians of passes in turn); "
                if "decode_span" in rows[names[0]] else "; ")
             + f"params matched ({n.span([rows[v]['params_m'] for v in names], '.3f')} M); val loss minus MHA's over "
