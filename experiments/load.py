@@ -209,7 +209,7 @@ class LoadClient:
     async def poison(self) -> None:
         good = self._valid_body() | {"prompt": "x"}
         body, status = self.rng.choice([
-            (good | {"top_k": 2147483648}, 400), (good | {"seed": 2**64}, 400), (good | {"top_k": 10**6}, 400),
+            (good | {"top_k": 2147483648}, 400), (good | {"seed": 2**64}, 400), (good | {"top_k": -2}, 400),
             (good | {"temperature": -1}, 400), (good | {"top_p": 2}, 400), (good | {"prompt": ""}, 400),
             (good | {"prompt": [5, 10**6]}, 400), (good | {"logit_bias": {"99999999": 1}}, 400),
             (good | {"logit_bias": {"5": 1000}}, 400), (good | {"n": 10**6}, 400), (good | {"stop": [""]}, 400),
