@@ -171,14 +171,19 @@ def sharing(d: dict, n: Numbers) -> str:
 
 
 def routing(d: dict, n: Numbers) -> str:
-    parts = []
+    parts, http = [], []
     for (setting, by_policy), replicas in zip(d["rows"], d["replicas"]):
+        if setting.startswith("HTTP"):  # one row per round: their hit rates as one span each
+            http.append((replicas, by_policy))
+            continue
         ca, rr = by_policy["cache_aware"], by_policy["round_robin"]
-        where = "simulated"
-        if setting.startswith("HTTP"):
-            where = "HTTP" + (f" (round {setting.rsplit(' ', 1)[1]})" if ", round " in setting else "")
-        parts.append(f"{n(replicas, 'd')} {where} replicas {n(ca['hit_rate'], '.0f', 100)} % vs "
+        parts.append(f"{n(replicas, 'd')} simulated replicas {n(ca['hit_rate'], '.0f', 100)} % vs "
                      f"{n(rr['hit_rate'], '.0f', 100)} %")
+    if http:
+        rates = {policy: [by_policy[policy]["hit_rate"] for _, by_policy in http] for policy in http[0][1]}
+        parts.insert(0, f"{n(http[0][0], 'd')} HTTP replicas {n.span(rates['cache_aware'], '.0f', 100)} % vs "
+                        f"{n.span(rates['round_robin'], '.0f', 100)} %"
+                        + (" (each of its rounds)" if len(http) > 1 else ""))
     return ("cache-aware vs round-robin prefix hit rate: " + "; ".join(parts)
             + f"; simulated ceiling {n(d['ceiling'], '.0f', 100)} %")
 
