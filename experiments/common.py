@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))  # `python experiments/x.py` finds llmjax and pape
 from llmjax.cli_types import non_negative_int, positive_int  # noqa: E402
 from llmjax.config import PRESETS, EngineConfig  # noqa: E402
 from llmjax.kv.manager import KVCacheManager  # noqa: E402
+from llmjax.kv.sizing import num_blocks_from_budget  # noqa: E402
 from llmjax.provenance import results_dir, write_results  # noqa: E402
 from llmjax.sampling_params import SamplingParams  # noqa: E402
 from llmjax.sim import A100_40GB_OPT_13B, CostModel, Simulator, TraceRequest  # noqa: E402
@@ -116,7 +117,7 @@ def slots_of(config: EngineConfig) -> int:
 def replay_sim(config: EngineConfig, requests: list[TraceRequest], cost: CostModel = SIM_COST,
                kv_bytes: int = SIM_KV_BYTES, progress: str | None = None) -> Replay:
     """Replay in `llmjax.sim` (the real scheduler and KV manager, `cost`'s step times, virtual clock)."""
-    num_blocks = kv_bytes // (config.block_size * cost.kv_bytes_per_token)
+    num_blocks = num_blocks_from_budget(kv_bytes, config.block_size, cost.kv_bytes_per_token)
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
     steps: StepLog = []
     log = lambda sim, out, dt: steps.append((sim.now - dt, sim.now, [(r.request_id, int(n))  # noqa: E731

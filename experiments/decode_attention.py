@@ -36,10 +36,8 @@ from common import alternating, best_time, table, write_report  # noqa: E402
 from offline_throughput import memory_bandwidth  # noqa: E402
 
 from llmjax.cli_types import choice_list, parse_quick, positive_int, positive_int_list  # noqa: E402
-from llmjax.cpu_flags import apply_cpu_flags  # noqa: E402
 from llmjax.provenance import results_dir  # noqa: E402
 
-apply_cpu_flags()  # the engine's XLA flags, before JAX starts its backend
 
 BLOCK = 16
 ENGINE = "engine build"

@@ -52,10 +52,6 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from llmjax.cpu_flags import apply_cpu_flags  # noqa: E402
-
-apply_cpu_flags()  # before anything starts JAX's backend
-
 from llmjax.cli_types import (choice_list, non_negative_int, positive_finite, positive_int,  # noqa: E402
                               positive_int_list)
 from llmjax.provenance import results_dir, write_results  # noqa: E402

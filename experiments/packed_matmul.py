@@ -33,12 +33,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmjax.cpu_flags import apply_cpu_flags  # noqa: E402
 from llmjax.cli_types import parse_quick  # noqa: E402
 from llmjax.provenance import results_dir, write_results  # noqa: E402
-
-apply_cpu_flags()  # the engine's XLA flags, before JAX starts its backend
-
 from common import best_time  # noqa: E402
 
 ROWS = (64, 512)

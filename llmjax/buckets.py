@@ -8,8 +8,9 @@ with its bucket; the runner pads to it, warm-up compiles `warmup_shapes()`, the 
 
 Floors keep the number of compiled steps small where padding is (nearly) free: attention's work
 follows the traced context lengths and request counts (loop bounds), not B or padded requests, so
-B starts at `MIN_BLOCK_TOKENS` tokens of table (2048: a model of that context, such as the embedded
-SmolLM2, has a single B, so warm-up covers every context it can see; tables twice as wide as
+B starts at `MIN_BLOCK_TOKENS` tokens of table, and at least `MIN_BLOCK_BUCKET` blocks (2048 tokens:
+a model of that context, such as the embedded SmolLM2, has a single B, so warm-up covers every
+context it can see; tables twice as wide as
 needed cost no measurable step time, `experiments/step_profile.py --wide-tables`); and a mixed
 step pads S to at least T / `MIXED_TOKENS_PER_SEQ` (the padded rows cost only LM-head rows: < 4%
 of such a step).

@@ -86,7 +86,6 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
-    bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "LlamaForCausalLM"
 
@@ -230,7 +229,6 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rope_scaling=_rope_scaling_from_hf(hf),
         max_position_embeddings=_context_from_hf(hf),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf.get("eos_token_id")),
         architecture=arch,
     )
@@ -335,7 +333,6 @@ def model_config_from_gguf_metadata(meta: dict[str, Any]) -> ModelConfig:
         rope_scaling=rope,
         max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings=True,  # the loader unties when the file has output.weight
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_ids(eos),
         architecture="LlamaForCausalLM",
     )
@@ -345,7 +342,7 @@ def _tiny(attention: str, num_kv_heads: int) -> ModelConfig:
     """Tiny models for experiments: equal hidden size (256) and depth (4) across attention variants."""
     base = dict(
         vocab_size=512, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,
-        max_position_embeddings=2048, rope_theta=10000.0, bos_token_id=1, eos_token_ids=(2,),
+        max_position_embeddings=2048, rope_theta=10000.0, eos_token_ids=(2,),
     )
     if attention == "mla":
         return ModelConfig(

@@ -35,7 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from llmjax import parallel
-from llmjax.cpu_flags import apply_cpu_flags
 from llmjax.attention.cache_dtype import value_dtype
 from llmjax.config import DEFAULT_GPU_MEMORY_UTILIZATION, ConfigError, Default, EngineConfig
 from llmjax.kv.manager import KVCacheManager
@@ -235,7 +234,6 @@ class LLMEngine:
     @classmethod
     def from_config(cls, model: str | None = None, config: EngineConfig | None = None, seed: int = 0) -> LLMEngine:
         config = config or EngineConfig()
-        apply_cpu_flags()  # before anything starts JAX's backend
         parallel.initialize_distributed(config)
         enable_compilation_cache(config.compilation_cache_dir)
         dtype = jnp.dtype(config.dtype or default_dtype())

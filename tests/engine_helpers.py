@@ -62,12 +62,9 @@ def _dense_logits_fn(graphdef):
 
 def dense_greedy(engine: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[list[int], list[np.ndarray]]:
     """Greedy continuation with the dense (no cache) forward: tokens and the logits behind each."""
-    fn = _dense_logits_fn(engine.runner.graphdef)
     tokens, all_logits = list(prompt), []
     for _ in range(max_tokens):
-        padded = np.zeros(REF_LEN, np.int32)
-        padded[: len(tokens)] = tokens
-        logits = np.asarray(fn(engine.runner.params, jnp.asarray(padded)))[len(tokens) - 1]
+        logits = dense_logits(engine, tokens)[-1]
         all_logits.append(logits)
         tokens.append(int(logits.argmax()))
     return tokens[len(prompt):], all_logits

@@ -48,7 +48,7 @@ def _put_all(batch: list[tuple[OutputStream, RequestOutput]]) -> None:
     for stream, output in batch:
         stream.put(output)
 
-STALL_WAIT_S = 0.01  # when a step scheduled nothing (static/dynamic batch not formed yet)
+STALL_WAIT_S = 0.01  # when a step scheduled nothing (a dynamic batch not yet formed)
 STEP_TIMEOUT_S = 600.0  # a step running longer than this makes `health()` fail (a hung device)
 
 

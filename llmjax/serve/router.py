@@ -79,12 +79,13 @@ import aiohttp
 from fastapi import FastAPI, Request
 from multidict import CIMultiDict
 from starlette.requests import ClientDisconnect
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from llmjax.serve import routing
-from llmjax.serve.asgi import GRACEFUL_SHUTDOWN_S, LimitRequestBody, install_error_handlers, wait_for_disconnect
+from llmjax.serve.asgi import GRACEFUL_SHUTDOWN_S, LimitRequestBody, error_response, install_error_handlers, \
+    wait_for_disconnect
 from llmjax.serve.protocol import error_body
 
 log = logging.getLogger(__name__)
@@ -353,8 +354,10 @@ class _WorkerCollector:
 class Router:
     """The worker table, the policy, the HTTP client and the health task (module docstring)."""
 
-    def __init__(self, urls: list[str], policy: routing.RoutingPolicy, health_check_interval: float = 10.0,
-                 health_check_timeout: float = 5.0, health_failure_threshold: int = 3,
+    def __init__(self, urls: list[str], policy: routing.RoutingPolicy,
+                 health_check_interval: float = routing.DEFAULT_HEALTH_CHECK_INTERVAL,
+                 health_check_timeout: float = routing.DEFAULT_HEALTH_CHECK_TIMEOUT,
+                 health_failure_threshold: int = routing.DEFAULT_HEALTH_FAILURE_THRESHOLD,
                  request_timeout: float = routing.DEFAULT_REQUEST_TIMEOUT):
         if not urls:
             raise ValueError("the router needs at least one worker URL")
@@ -481,8 +484,7 @@ class Router:
             self.failed.inc()
             if refusal is not None:
                 return refusal
-            return JSONResponse(error_body("no healthy worker can take the request", "service_unavailable", code=503),
-                                status_code=503)
+            return error_response(503, "no healthy worker can take the request", code=503)
         finally:
             if decision is not None:
                 self.decisions.labels(self.policy.name, decision.reason).inc()
@@ -506,7 +508,7 @@ class Router:
             self.worker_failures.inc()
             self.failed.inc()
             message = f"worker {worker.url} sent nothing for {self.request_timeout:g} s"
-            return JSONResponse(error_body(message, "gateway_timeout", code=504), status_code=504)
+            return error_response(504, message, code=504, type_="gateway_timeout")
         finally:
             if relay is None:
                 self._release(worker)
@@ -575,8 +577,7 @@ class Router:
         if any(w.up for w in self.workers.values()):
             return Response(status_code=200)
         problems = "; ".join(f"{w.url}: {w.problem}" for w in self.workers.values())
-        return JSONResponse(error_body(f"no worker is up ({problems})", "service_unavailable", code=503),
-                            status_code=503)
+        return error_response(503, f"no worker is up ({problems})", code=503)
 
     async def metrics_text(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
@@ -598,8 +599,10 @@ def _routing_input(path: str, body: bytes) -> tuple[str, str | None, Any]:
             payload)
 
 
-def build_router_app(urls: list[str], policy: routing.RoutingPolicy, health_check_interval: float = 10.0,
-                     health_check_timeout: float = 5.0, health_failure_threshold: int = 3,
+def build_router_app(urls: list[str], policy: routing.RoutingPolicy,
+                     health_check_interval: float = routing.DEFAULT_HEALTH_CHECK_INTERVAL,
+                     health_check_timeout: float = routing.DEFAULT_HEALTH_CHECK_TIMEOUT,
+                     health_failure_threshold: int = routing.DEFAULT_HEALTH_FAILURE_THRESHOLD,
                      request_timeout: float = routing.DEFAULT_REQUEST_TIMEOUT) -> FastAPI:
     """The router app (`Router`'s arguments); its lifespan checks the workers once, then runs the
     health task."""

@@ -49,6 +49,8 @@ DEFAULT_MAX_TREE_CHARS = 2**24
 # is silent until its whole completion is made, which on a loaded CPU replica can take minutes, so
 # the default is sglang-router's 30 minutes (there for the whole request).
 DEFAULT_REQUEST_TIMEOUT = 1800.0
+# the router's /health checks of its workers: every 10 s, 5 s each, a worker out after 3 failures in a row
+DEFAULT_HEALTH_CHECK_INTERVAL, DEFAULT_HEALTH_CHECK_TIMEOUT, DEFAULT_HEALTH_FAILURE_THRESHOLD = 10.0, 5.0, 3
 POLICIES = ("cache_aware", "round_robin", "least_load")
 
 
@@ -366,11 +368,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tree-chars", type=positive_int, default=None,
                         help=f"cache_aware: characters kept in each worker's tree, LRU eviction "
                              f"(default {DEFAULT_MAX_TREE_CHARS}); about 7 to 120 bytes of memory each")
-    parser.add_argument("--health-check-interval", type=positive_seconds, default=10.0,
+    parser.add_argument("--health-check-interval", type=positive_seconds, default=DEFAULT_HEALTH_CHECK_INTERVAL,
                         help="seconds between /health checks of every worker (default %(default)s)")
-    parser.add_argument("--health-check-timeout", type=positive_seconds, default=5.0,
+    parser.add_argument("--health-check-timeout", type=positive_seconds, default=DEFAULT_HEALTH_CHECK_TIMEOUT,
                         help="seconds a /health check or a connection attempt may take (default %(default)s)")
-    parser.add_argument("--health-failure-threshold", type=positive_int, default=3,
+    parser.add_argument("--health-failure-threshold", type=positive_int, default=DEFAULT_HEALTH_FAILURE_THRESHOLD,
                         help="failed /health checks in a row that take a worker out (default %(default)s)")
     parser.add_argument("--request-timeout", type=positive_seconds, default=DEFAULT_REQUEST_TIMEOUT,
                         help="seconds a worker may stay silent, waiting for its response headers or for the next "
