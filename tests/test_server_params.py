@@ -173,3 +173,19 @@ def test_skip_special_tokens():
             choice = complete(c, **SAMPLED, skip_special_tokens=skip)
             assert choice["text"] == expected.text, skip
         assert complete(c, **SAMPLED)["text"] == skipped.text  # skipping is the default
+
+
+def test_an_omitted_field_means_what_it_means_offline():
+    """A sampling field the API and `SamplingParams` share has one default in both (the API's are
+    OpenAI's, written out in its schema), so a request that leaves it out samples as `SamplingParams()`."""
+    import dataclasses
+
+    from llmjax.serve.protocol import CompletionRequest
+
+    offline = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+               for f in dataclasses.fields(SamplingParams)}
+    shared = [name for name in CompletionRequest.model_fields if name in offline]
+    assert len(shared) >= 15, shared
+    for name in shared:
+        api_default = CompletionRequest.model_fields[name].default
+        assert api_default == offline[name] or (api_default is None and offline[name] in ((), [])), name
