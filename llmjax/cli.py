@@ -18,7 +18,7 @@ from llmjax import cli_types
 from llmjax.cli_types import UsageError
 from llmjax.config import ConfigError, EngineConfig
 from llmjax.engine_args import add_engine_args, engine_config_from_args, exit_on_user_error
-from llmjax.serve.server import UVICORN_LOG_LEVELS, add_keep_alive_arg, add_serve_args
+from llmjax.serve.server import add_address_args, add_http_args, add_serve_args
 
 
 def check_engine_args(args: argparse.Namespace) -> None:
@@ -146,10 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     router = sub.add_parser("router", help="route requests over several `llmjax serve` replicas")
     router.add_argument("--workers", type=cli_types.server_urls, required=True,
                         help="comma-separated replica URLs: http://h1:8000,http://h2:8000")
-    router.add_argument("--host", type=cli_types.non_empty, default="127.0.0.1")
-    router.add_argument("--port", type=cli_types.port, default=8000)
-    router.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
-    add_keep_alive_arg(router)
+    add_address_args(router, "the router's")
+    add_http_args(router)
     add_router_args(router)
     router.set_defaults(func=cmd_router, checks=(check_router_args,))
 
@@ -158,8 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     cluster = sub.add_parser("cluster", help="N `llmjax serve` replicas and the router on this machine")
     add_engine_args(cluster)
     cluster.add_argument("--replicas", type=cli_types.positive_int, required=True)
-    cluster.add_argument("--host", type=cli_types.non_empty, default="127.0.0.1", help="the router's address")
-    cluster.add_argument("--port", type=cli_types.port, default=8000, help="the router's port")
+    add_address_args(cluster, "the router's")
     cluster.add_argument("--replica-base-port", type=cli_types.port, default=None,
                          help="replica i listens on 127.0.0.1:(this + i) (default: --port + 1)")
     cluster.add_argument("--replica-startup-timeout", type=cli_types.positive_seconds, default=900.0,

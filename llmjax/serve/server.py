@@ -34,11 +34,16 @@ KEEP_ALIVE_S = 5.0  # uvicorn's default, as vLLM serves
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 
+def add_address_args(parser: argparse.ArgumentParser, whose: str = "the server's") -> None:
+    """`--host` and `--port`, shared by `llmjax serve`, `router` and `cluster` (`whose`: the help's subject)."""
+    parser.add_argument("--host", type=non_empty, default="127.0.0.1", help=f"{whose} address (default: %(default)s)")
+    parser.add_argument("--port", type=port, default=8000, help=f"{whose} port (default: %(default)s)")
+
+
 def add_serve_args(parser: argparse.ArgumentParser, address: bool = True) -> None:
     """The flags of one server besides the engine's; `address`: also `--host` and `--port`."""
     if address:
-        parser.add_argument("--host", type=non_empty, default="127.0.0.1")
-        parser.add_argument("--port", type=port, default=8000)
+        add_address_args(parser)
     parser.add_argument("--served-model-name", type=non_empty, default=None,
                         help="the name clients send (default: the model's)")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
@@ -48,12 +53,12 @@ def add_serve_args(parser: argparse.ArgumentParser, address: bool = True) -> Non
                              "else none)")
     parser.add_argument("--allowed-origins", default="",
                         help="comma-separated origins allowed by CORS (default: none)")
+    add_http_args(parser)
+
+
+def add_http_args(parser: argparse.ArgumentParser) -> None:
+    """`--uvicorn-log-level` and `--timeout-keep-alive`, shared by `llmjax serve` and `llmjax router`."""
     parser.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
-    add_keep_alive_arg(parser)
-
-
-def add_keep_alive_arg(parser: argparse.ArgumentParser) -> None:
-    """`--timeout-keep-alive`, shared by `llmjax serve` and `llmjax router`."""
     parser.add_argument("--timeout-keep-alive", type=positive_seconds, default=KEEP_ALIVE_S, metavar="S",
                         help="seconds an idle HTTP connection is kept open (default: %(default)s); set it above "
                              "the idle timeout of a proxy or client pool that reuses connections, or their requests "
