@@ -41,7 +41,7 @@ from llmjax.kv.manager import KVCacheManager
 from llmjax.kv.sizing import device_memory_stats, kv_budget_bytes, num_blocks_from_budget
 from llmjax.models.loader import LoadedModel, default_dtype, load_model
 from llmjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from llmjax.request import Request, RequestStatus
+from llmjax.request import MAX_NAMESPACE_CHARS, Request, RequestStatus
 from llmjax.runner import InFlight, ModelRunner, PromptLogprobs, StepResult, enable_compilation_cache
 from llmjax.sampling_params import RequestOutputKind, SamplingParams
 from llmjax.scheduler import Scheduler, SchedulerOutput
@@ -264,9 +264,11 @@ class LLMEngine:
             raise RequestError(f"a request id is a non-empty string, got {request_id!r}", "request_id")
         if request_id in self._parents:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
-        if namespace is not None and not isinstance(namespace, str):  # as vLLM's cache_salt; 1, 1.0 and True
-            # would be one tenant as dict keys
-            raise RequestError(f"the namespace is a string or None, got {type(namespace).__name__}", "namespace")
+        if namespace is not None and not (isinstance(namespace, str) and 0 < len(namespace) <= MAX_NAMESPACE_CHARS):
+            # as vLLM's cache_salt (1, 1.0 and True would be one tenant as dict keys); the radix tree keeps
+            # the string while the tenant's pages stay cached, so its length is bounded
+            raise RequestError(f"a namespace (cache_salt) is a non-empty string of at most {MAX_NAMESPACE_CHARS} "
+                               f"characters, or None; got {namespace!r:.80}", "cache_salt")
         if arrival_time is not None and not (isinstance(arrival_time, (int, float)) and math.isfinite(arrival_time)):
             raise RequestError(f"arrival_time must be a finite number of seconds, got {arrival_time!r}", "arrival_time")
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
@@ -310,15 +312,16 @@ class LLMEngine:
             self.scheduler.add(child)
         return request_id
 
-    def add_requests(self, requests: Sequence[tuple[str | Sequence[int], SamplingParams, str | None]],
-                     namespace: str | None = None, arrival_time: float | None = None) -> list[str]:
-        """`add_request` for each (prompt, params, request id or None), all or none: should one raise,
-        the ones added are aborted and the seeds drawn for them go back to the engine's generator, so a
-        refused batch changes nothing a later request samples; the exception propagates. Their ids."""
+    def add_requests(self, requests: Sequence[tuple[str | Sequence[int], SamplingParams, str | None, str | None]],
+                     arrival_time: float | None = None) -> list[str]:
+        """`add_request` for each (prompt, params, request id or None, namespace or None), all or none:
+        should one raise, the ones added are aborted and the seeds drawn for them go back to the engine's
+        generator, so a refused batch changes nothing a later request samples; the exception propagates.
+        Their ids."""
         seeds = self._seed_rng.bit_generator.state
         added: list[str] = []
         try:
-            for prompt, params, request_id in requests:
+            for prompt, params, request_id, namespace in requests:
                 added.append(self.add_request(prompt, params, request_id, namespace, arrival_time))
         except BaseException:
             for request_id in added:

@@ -2,11 +2,12 @@
 `LLM.chat(conversations, sampling_params)`.
 
 Prompts take vLLM's forms: a string, `{"prompt": str}`, `{"prompt_token_ids": [int, ...]}`, or a
-list of those. A chat conversation (a list of `{"role", "content"}` messages) goes through `chat`,
-which renders it with the model's chat template; a message's content is a string or a list of
-OpenAI text parts, as the server takes it. Both return one finished `RequestOutput` per prompt, in
-input order (`llmjax.outputs`: `.outputs[i].text`, `.token_ids`, ...). `get_tokenizer()` is the
-engine's tokenizer.
+list of those; either mapping may also hold vLLM's `"cache_salt"` (the request's prefix-cache
+tenant: requests of different salts never share cached pages). A chat conversation (a list of
+`{"role", "content"}` messages) goes through `chat`, which renders it with the model's chat
+template; a message's content is a string or a list of OpenAI text parts, as the server takes it.
+Both return one finished `RequestOutput` per prompt, in input order (`llmjax.outputs`:
+`.outputs[i].text`, `.token_ids`, ...). `get_tokenizer()` is the engine's tokenizer.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from llmjax.sampling_params import RequestOutputKind, SamplingParams
 from llmjax.serve.protocol import ChatContent, validation_message
 from llmjax.tokenizer import CharTokenizer, Tokenizer
 
-Prompt = str | Mapping[str, Any]  # str | {"prompt": str} | {"prompt_token_ids": list[int]}
+Prompt = str | Mapping[str, Any]  # str | {"prompt": str} | {"prompt_token_ids": list[int]}, + "cache_salt"
 Conversation = Sequence[Mapping[str, Any]]  # messages: {"role": str, "content": str | [{"type": "text", ...}]}
 
 
@@ -66,17 +67,20 @@ class LLM:
         return self.engine.tokenizer
 
     @staticmethod
-    def _engine_prompt(prompt: Prompt) -> str | list[int]:
-        """A vLLM prompt -> what `LLMEngine.add_request` takes. Raises TypeError for anything else."""
+    def _engine_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
+        """A vLLM prompt -> the prompt and the namespace `LLMEngine.add_request` takes (the engine checks
+        the namespace, a `cache_salt`). Raises TypeError for anything else."""
         if isinstance(prompt, str):
-            return prompt
+            return prompt, None
         if isinstance(prompt, Mapping):
-            if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
-                return prompt["prompt"]
-            if set(prompt) == {"prompt_token_ids"} and not isinstance(prompt["prompt_token_ids"], str):
-                return prompt["prompt_token_ids"]  # the engine checks they are integer ids
-        raise TypeError('a prompt is a string, {"prompt": str} or {"prompt_token_ids": [int, ...]} '
-                        f"(chat conversations go through LLM.chat), got {prompt!r:.80}")
+            keys, salt = set(prompt) - {"cache_salt"}, prompt.get("cache_salt")
+            if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], salt
+            if keys == {"prompt_token_ids"} and not isinstance(prompt["prompt_token_ids"], str):
+                return prompt["prompt_token_ids"], salt  # the engine checks they are integer ids
+        raise TypeError('a prompt is a string, {"prompt": str} or {"prompt_token_ids": [int, ...]} (each mapping '
+                        'may add "cache_salt"; chat conversations go through LLM.chat), got '
+                        f"{prompt!r:.80}")
 
     def generate(
         self,
@@ -120,12 +124,13 @@ class LLM:
         messages = [[_template_message(m, ("messages", *(() if single else (c,)), i)) for i, m in enumerate(conv)]
                     for c, conv in enumerate(conversations)]
         ids = [self.tokenizer.encode_chat(m, add_generation_prompt) for m in messages]
-        outputs = self._run(ids, sampling_params, use_tqdm)
+        outputs = self._run([(i, None) for i in ids], sampling_params, use_tqdm)
         for output, m in zip(outputs, messages):
             output.prompt = self.tokenizer.chat_prompt(m, add_generation_prompt)
         return outputs
 
-    def _run(self, prompts: list[str | list[int]], sampling_params, use_tqdm) -> list[RequestOutput]:
+    def _run(self, prompts: list[tuple[str | list[int], str | None]], sampling_params, use_tqdm) -> list[RequestOutput]:
+        """Run (prompt, namespace) pairs to completion (see `generate`)."""
         if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
             raise TypeError(f"use_tqdm is a bool or a callable that makes a tqdm bar, got {use_tqdm!r:.80}")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -141,7 +146,8 @@ class LLM:
                  for sp in {id(sp): sp for sp in sampling_params}.values()}
         sampling_params = [final[id(sp)] for sp in sampling_params]
         engine = self.engine
-        ids = engine.add_requests([(prompt, params, None) for prompt, params in zip(prompts, sampling_params)])
+        ids = engine.add_requests([(prompt, params, None, namespace)
+                                   for (prompt, namespace), params in zip(prompts, sampling_params)])
         engine.scheduler.input_closed = True
         results: dict[str, RequestOutput] = {}
         start, generated_before = time.perf_counter(), engine.num_generation_tokens

@@ -15,6 +15,10 @@ from typing import Any, Hashable
 from llmjax.outputs import Logprob
 from llmjax.sampling_params import SamplingParams
 
+# a tenant's name is kept (in the radix tree) while its pages stay cached, so it is bounded: the
+# engine refuses a longer namespace, the server a longer `cache_salt`
+MAX_NAMESPACE_CHARS = 1024
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from llmjax.engine import RequestError
+from llmjax.request import MAX_NAMESPACE_CHARS
 from llmjax.sampling_params import RequestOutputKind, SamplingParams
 from tests.engine_helpers import GREEDY, dense_greedy, drain, run_to_completion, tiny_engine
 
@@ -190,8 +191,10 @@ def test_a_failed_step_fails_its_own_requests_not_a_later_one_with_the_same_id(e
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(namespace=["a", "list"]), "namespace"),
-    (dict(namespace=1), "namespace"),  # 1, 1.0 and True would share one tenant's cache
+    (dict(namespace=["a", "list"]), "cache_salt"),
+    (dict(namespace=1), "cache_salt"),  # 1, 1.0 and True would share one tenant's cache
+    (dict(namespace=""), "cache_salt"),  # as the server refuses an empty cache_salt
+    (dict(namespace="t" * (MAX_NAMESPACE_CHARS + 1)), "cache_salt"),  # kept while its pages stay cached
     (dict(arrival_time="soon"), "arrival_time"),
     (dict(arrival_time=float("nan")), "arrival_time"), (dict(request_id=""), "request_id"),
     (dict(request_id=7), "request_id"),

@@ -57,6 +57,23 @@ def test_prompt_forms_and_output_shape(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_a_prompts_cache_salt_is_its_tenant(llm):
+    """vLLM's `"cache_salt"` in a prompt mapping: a request finds only its own tenant's cached pages;
+    a bad salt is refused with nothing queued."""
+    text = "a shared prefix of forty characters, more"
+    full_pages = (len(llm.tokenizer.encode(text)) - 1) // 8 * 8
+    llm.engine.kv.reset_prefix_cache()
+    runs = [[{"prompt": text, "cache_salt": "a"}], [{"prompt": text, "cache_salt": "b"}, {"prompt": text}],
+            [{"prompt": text, "cache_salt": "a"}, {"prompt_token_ids": llm.tokenizer.encode(text), "cache_salt": "b"}]]
+    cached = [[o.num_cached_tokens for o in llm.generate(run, GREEDY, use_tqdm=False)] for run in runs]
+    assert cached == [[0], [0, 0], [full_pages, full_pages]]
+    for bad in ("", 7):
+        with pytest.raises(RequestError, match="cache_salt"):
+            llm.generate([{"prompt": text, "cache_salt": "ok"}, {"prompt": text, "cache_salt": bad}], GREEDY,
+                         use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def char_ids(text: str) -> list[int]:
     """CharTokenizer's documented ids: printable ASCII c -> 3 + ord(c) - 32; anything else is '?'."""
     return [3 + (ord(c) if 32 <= ord(c) < 127 else ord("?")) - 32 for c in text]

@@ -859,3 +859,14 @@ def test_stopping_a_replica_mid_run_loses_no_later_request(replicas):
         workers = {w["url"]: w for w in httpx.get(f"{router}/workers", timeout=TIMEOUT).json()}
         assert workers[urls[1]]["up"] is False and workers[urls[0]]["in_flight"] == 0
         assert metrics(router)["llmjax:router_worker_failures_total"] >= 1
+
+
+def test_a_cache_salt_longer_than_a_worker_takes_is_no_routing_key():
+    """The worker refuses such a salt (400): the router keeps neither it nor the text in its tree."""
+    from llmjax.request import MAX_NAMESPACE_CHARS
+    from llmjax.serve.router import _routing_input
+
+    body = {"prompt": "some text", "cache_salt": "t" * (MAX_NAMESPACE_CHARS + 1)}
+    assert _routing_input("/v1/completions", json.dumps(body).encode()) == ("", None, body)
+    body["cache_salt"] = "t" * MAX_NAMESPACE_CHARS
+    assert _routing_input("/v1/completions", json.dumps(body).encode()) == ("some text", body["cache_salt"], body)

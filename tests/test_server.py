@@ -24,6 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmjax.config import ConfigError
+from llmjax.request import MAX_NAMESPACE_CHARS
 from llmjax.serve.api import build_app
 from llmjax.serve.metrics import parse_metrics
 from llmjax.serve import asgi
@@ -566,6 +567,7 @@ STRICT_ERRORS = [
     ({"min_tokens": -1}, "min_tokens"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"cache_salt": ""}, "cache_salt"),
+    ({"cache_salt": "t" * (MAX_NAMESPACE_CHARS + 1)}, "cache_salt"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"),

@@ -183,7 +183,7 @@ class OpenAIServer:
         stream = self.async_engine.open_stream()
         index = {f"{request_id}-{i}": i for i in range(len(prompts))}
         try:
-            await stream.add(dict(zip(index, prompts)), params, cache_salt or None, arrival)
+            await stream.add(dict(zip(index, prompts)), params, cache_salt, arrival)
         except BaseException:
             stream.abort()
             raise

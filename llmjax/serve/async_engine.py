@@ -145,8 +145,8 @@ class AsyncEngine:
         def add(engine: LLMEngine) -> None:
             if self.stopping:
                 raise ShuttingDownError("the server is shutting down")
-            engine.add_requests([(prompt, params, request_id) for request_id, prompt in prompts.items()],
-                                namespace, arrival_time)
+            engine.add_requests([(prompt, params, request_id, namespace) for request_id, prompt in prompts.items()],
+                                arrival_time)
             for request_id in prompts:
                 self._streams[request_id] = (loop, stream)
 

@@ -23,6 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal, Mapping, Sequence
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 from llmjax.outputs import Logprob
+from llmjax.request import MAX_NAMESPACE_CHARS
 from llmjax.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 
 Prompt = str | list[int]
@@ -105,7 +106,15 @@ class _SamplingRequest(StrictRequest):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: Text | None = Field(default=None, min_length=1)
+    cache_salt: Text | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _bounded_tenant(cls, salt: str | None):
+        if salt is not None and not 0 < len(salt) <= MAX_NAMESPACE_CHARS:
+            raise ValueError(f"must be a non-empty string of at most {MAX_NAMESPACE_CHARS} characters if given, "
+                             f"got {len(salt)} characters")
+        return salt
 
     @field_validator("stop")
     @classmethod

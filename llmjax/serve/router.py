@@ -83,6 +83,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from llmjax.request import MAX_NAMESPACE_CHARS
 from llmjax.serve import routing
 from llmjax.serve.asgi import GRACEFUL_SHUTDOWN_S, LimitRequestBody, error_response, install_error_handlers, \
     wait_for_disconnect
@@ -589,12 +590,15 @@ class Router:
 def _routing_input(path: str, body: bytes) -> tuple[str, str | None, Any]:
     """(`request_text`, tenant: a string `cache_salt` or None, the parsed body) of a request body.
     Never raises: a body that is no JSON at all (malformed, not UTF-8, nested too deeply) gives
-    ("", None, None), and the worker it goes to answers it (400) as it would without the router."""
+    ("", None, None), and the worker it goes to answers it (400) as it would without the router; so
+    does a `cache_salt` longer than a worker takes (`MAX_NAMESPACE_CHARS`), as ("", None, body)."""
     try:
         payload = json.loads(body)
     except (ValueError, RecursionError):
         payload = None
     tenant = payload.get("cache_salt") if isinstance(payload, dict) else None
+    if isinstance(tenant, str) and len(tenant) > MAX_NAMESPACE_CHARS:  # the worker refuses it: nothing to match
+        return "", None, payload
     return (request_text(payload, path.endswith("/chat/completions")), tenant if isinstance(tenant, str) else None,
             payload)
 
