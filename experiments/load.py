@@ -49,13 +49,14 @@ import aiohttp
 import httpx
 from tqdm import tqdm
 
+# experiments/common.py, first: it puts this checkout's llmjax on sys.path
+from common import free_port
 from llmjax.bench import percentiles, stream_completion, stream_session
 from llmjax.cli_types import non_negative_int, positive_int, positive_seconds
 from llmjax.provenance import results_dir, write_results
 from llmjax.serve.cluster import replica_pids
 from llmjax.serve.metrics import parse_metrics
 
-from common import free_port  # experiments/common.py
 
 TINY_SERVER_ARGS = ["--block-size", "8", "--max-model-len", "128", "--kv-cache-memory", str(4 << 20),
                     "--max-num-seqs", "32", "--max-num-batched-tokens", "64"]

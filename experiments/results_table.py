@@ -244,7 +244,9 @@ def host_overhead(d: dict, n: Numbers) -> str:
              f"jitted call and fetch), {n(r['hidden'], '.0%')} hidden" for r in d["rows"]]
     c = d["cache_effect"]["final"]
     return ("host time per decode step of a tiny model (synchronous, wall clock and the engine thread's CPU time), "
-            "and the share asynchronous scheduling hides: " + "; ".join(parts)
+            "and the share asynchronous scheduling hides (the median over pairs of neighbouring blocks of a "
+            "difference of noisy wall times over the host time, so it can come out negative or above all of it): "
+            + "; ".join(parts)
             + f"; at {n(c['concurrency'], 'd')} decodes (final outputs) schedule + prepare + apply without "
             f"device steps: {n(c['hot_total'], '.0f', 1e6)} us of CPU hot, {n(c['streamed_total'], '.0f', 1e6)} us "
             f"with a step's KV bytes ({n(c['kv_bytes'], '.0f', 2**-20)} MiB) streamed through the caches between "
@@ -414,15 +416,23 @@ def machine(path: Path) -> str:
     return name
 
 
+def unlinked(label: str) -> str:
+    """A row's label without its link to the results page."""
+    return re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", label)
+
+
 def linked(label: str, path: Path) -> str:
     """The row's label, its link to the results page dropped when nothing was measured (no page yet)."""
-    return label if path.exists() else re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", label)
+    return label if path.exists() else unlinked(label)
 
 
 def generate(root: Path = ROOT) -> str:
+    """The table: a row per entry of `ROWS`, but for a missing result whose experiment has a row
+    measured elsewhere (another machine's file), which would only repeat "not measured yet"."""
+    measured = {unlinked(label) for label, path, _ in ROWS if (root / path).exists()}
     lines = ["| experiment | machine | headline |", "| --- | --- | --- |"]
     lines += [f"| {linked(label, root / path)} | {machine(root / path)} | {headline(root / path, fmt)} |"
-              for label, path, fmt in ROWS]
+              for label, path, fmt in ROWS if (root / path).exists() or unlinked(label) not in measured]
     return "\n".join(lines)
 
 

@@ -64,6 +64,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
+# experiments/common.py, first: it puts this checkout's llmjax on sys.path
+from common import SIM_COST, SIM_KV_BYTES, free_port, results_dir, server_process, table, write_report
 from llmjax.bench import percentiles, run_jobs, stream_session, summarize
 from llmjax.cli_types import parse_quick
 from llmjax.config import PRESETS, EngineConfig
@@ -74,7 +76,6 @@ from llmjax.serve import routing
 from llmjax.serve.metrics import parse_metrics
 from llmjax.sim import Simulator, TraceRequest, finish_step
 
-from common import SIM_COST, SIM_KV_BYTES, free_port, results_dir, server_process, table, write_report  # experiments/common.py
 
 POLICIES = ("round_robin", "cache_aware")
 BLOCK_SIZE = 16

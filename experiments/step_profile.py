@@ -39,10 +39,11 @@ from pathlib import Path
 
 import numpy as np
 
-from llmjax.cli_types import choice_list, non_empty, positive_int
-from llmjax.provenance import results_dir, write_results
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's llmjax, whichever one the environment installed
+
+from llmjax.cli_types import choice_list, non_empty, positive_int  # noqa: E402
+from llmjax.provenance import results_dir, write_results  # noqa: E402
 
 
 def make_step(q_lens, contexts, t, s, b, block_size, num_blocks, rng):

@@ -46,7 +46,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory_bytes, dest="kv_cache_memory_bytes",
                         help="KV cache budget in bytes (default: 1 GiB on CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
-                        help="share of an accelerator's memory for weights, activations and KV cache "
+                        help="share of what JAX's allocator may take on an accelerator (its bytes_limit) for "
+                        "weights, activations and KV cache "
                         f"(default {DEFAULT_GPU_MEMORY_UTILIZATION}); instead of --kv-cache-memory; not on CPU")
     parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=(*KV_CACHE_DTYPES, "auto"),
                         help="KV cache dtype (default, or auto: --dtype)")
