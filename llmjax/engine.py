@@ -404,6 +404,11 @@ class LLMEngine:
             outputs += self._fail_step(*failed)
         return outputs
 
+    @property
+    def has_step_in_flight(self) -> bool:
+        """Whether asynchronous scheduling left a dispatched step whose results the next `step()` applies."""
+        return self._inflight is not None
+
     def wait_in_flight(self) -> None:
         """Block until the step left in flight by asynchronous scheduling has computed (its results
         are applied by the next `step()`); a no-op without one. For measurements that must not leave

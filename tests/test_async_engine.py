@@ -117,3 +117,33 @@ def test_static_batching_is_refused_on_a_server():
     engine = SimpleNamespace(config=EngineConfig(scheduling_policy="static", batch_size=2))
     with pytest.raises(ConfigError, match="use --scheduling-policy dynamic"):
         AsyncEngine(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_loop_never_waits_while_continuous_batching_has_work(async_scheduling):
+    # A step that dispatches nothing but completes the step in flight frees its finished requests'
+    # rows: waiting requests must be admitted at once, not after the stall wait (a wave of requests
+    # that finish together, more waiting than max_num_seqs admits).
+    engine = AsyncEngine(tiny_engine(max_num_seqs=2, async_scheduling=async_scheduling))
+    stalls = []
+    serve_commands = engine._serve_commands
+    engine._serve_commands = lambda stalled: (stalls.append(stalled), serve_commands(stalled))[1]
+    engine.start()
+
+    async def serve_all():
+        async def one(i):
+            stream = engine.open_stream()
+            await stream.add({f"r{i}": PROMPTS[i]}, GREEDY)
+            whole = OutputAccumulator()
+            async for out in stream:
+                last = whole.add(out)
+            return last
+
+        return await asyncio.gather(*map(one, range(6)))
+
+    try:
+        outputs = asyncio.run(serve_all())
+    finally:
+        engine.shutdown()
+    assert all(o.finished and len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outputs)
+    assert engine.engine.num_steps > 0 and not any(stalls)

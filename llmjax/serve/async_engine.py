@@ -236,14 +236,16 @@ class AsyncEngine:
         return True
 
     def _step(self) -> bool:
-        """One engine step; deliver its outputs. True when it scheduled any work."""
-        steps = self.engine.num_steps
+        """One engine step; deliver its outputs. True when it made progress: it scheduled work, or
+        it completed the step left in flight (asynchronous scheduling), whose finished requests
+        free rows and blocks that waiting requests may take at once."""
+        steps, completing = self.engine.num_steps, self.engine.has_step_in_flight
         self.step_started = time.monotonic()
         outputs = self.engine.step()
         self.step_started = None
         self._deliver(outputs)
         self._publish()
-        return self.engine.num_steps > steps
+        return completing or self.engine.num_steps > steps
 
     def _abort(self, request_id: str) -> None:
         output = self.engine.abort(request_id)
