@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from llmjax.config import EngineConfig
+from llmjax.config import ConfigError, EngineConfig
 from llmjax.engine import LLMEngine
 from llmjax.outputs import RequestOutput
 from llmjax.sampling_params import RequestOutputKind, SamplingParams
@@ -59,8 +59,21 @@ class LLM:
         if seed is not None:
             engine_args["seed"] = seed
         config = (engine_config or EngineConfig()).replace(**engine_args)
+        self._check_offline(config)
         self.engine = LLMEngine.from_config(model, config, seed=config.seed)
         self.tokenizer = self.engine.tokenizer
+
+    @staticmethod
+    def _check_offline(config: EngineConfig) -> None:
+        """ConfigError, before the model loads, for a setting that would have no effect here, as
+        `llmjax generate` refuses its flags: the stream interval (outputs are returned whole) and the
+        dynamic policy's `max_delay` (every prompt is queued at once, so a batch never waits for more)."""
+        if config.stream_interval != EngineConfig().stream_interval:
+            raise ConfigError("stream_interval has no effect on the LLM API: its outputs are not streamed")
+        dynamic = EngineConfig(scheduling_policy="dynamic")
+        if config.scheduling_policy == dynamic.scheduling_policy and config.max_delay != dynamic.max_delay:
+            raise ConfigError("max_delay has no effect on the LLM API: every prompt is queued at once, so a dynamic "
+                              "batch never waits for more")
 
     def get_tokenizer(self) -> Tokenizer | CharTokenizer:
         """The engine's tokenizer (vLLM's `LLM.get_tokenizer`): `encode`, `decode`, `encode_chat`."""

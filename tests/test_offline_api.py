@@ -5,8 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from llmjax.config import EngineConfig
-from llmjax.engine import RequestError
+from llmjax.config import ConfigError, EngineConfig
+from llmjax.engine import LLMEngine, RequestError
 from llmjax.llm import LLM
 from llmjax.sampling_params import SamplingParams
 from tests.engine_helpers import GREEDY, REF_LEN, dense_greedy, dense_logits, drain
@@ -328,3 +328,13 @@ def test_llm_seed_and_engine_args_reach_the_engine_config():
     assert LLM("tiny-gqa", engine_config=base).engine.config.seed == 3  # no seed given: the config's
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM("tiny-gqa", engine_config=base, max_num_seq=4)
+
+
+@pytest.mark.parametrize("args, flag", [(dict(stream_interval=4), "stream_interval"),
+                                        (dict(scheduling_policy="dynamic", batch_size=4, max_delay=30.0), "max_delay")])
+def test_llm_refuses_settings_that_would_have_no_effect(args, flag, monkeypatch):
+    # outputs are returned whole and every prompt is queued at once; refused before the model loads
+    monkeypatch.setattr(LLMEngine, "from_config", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(ConfigError, match=f"{flag} has no effect"):
+        LLM("tiny-gqa", **args)
+    LLM._check_offline(EngineConfig(scheduling_policy="dynamic", batch_size=4))  # its defaults: fine
