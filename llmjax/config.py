@@ -31,7 +31,7 @@ HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")  # HF's 
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")  # the attention kernels read these
 DTYPES = KV_CACHE_DTYPES  # the model's weights and activations: the same three
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.8  # share of an accelerator's memory for weights, activations and KV cache
-DEFAULT_BATCH_SIZE = 8  # static/dynamic batching: requests per batch (at most max_num_seqs)
+DEFAULT_BATCH_SIZE = 8  # static/dynamic batching: sequences per batch (at most max_num_seqs; n samples count n)
 DEFAULT_MAX_DELAY = 0.05  # dynamic batching: seconds a batch waits to fill
 BATCHING_FIELDS = {"batch_size": ("static", "dynamic"), "max_delay": ("dynamic",)}  # field -> policies that read it
 
@@ -388,8 +388,9 @@ class EngineConfig:
     prefill raised to `max_model_len`. `max_model_len`'s default (2048) is capped at the model's
     context by the engine; a larger value set by hand is refused there (see `Default`), and an
     explicit `max_num_batched_tokens` without chunked prefill is checked against the capped value. Static and
-    dynamic batches run all their members at once: `batch_size` is at most `max_num_seqs` (default
-    `DEFAULT_BATCH_SIZE`, or `max_num_seqs` when smaller); `max_delay` (dynamic only) defaults to
+    dynamic batches run all their members at once: `batch_size`, the sequences a batch holds (a
+    request with n samples counts n), is at most `max_num_seqs` (default `DEFAULT_BATCH_SIZE`, or
+    `max_num_seqs` when smaller); `max_delay` (dynamic only) defaults to
     `DEFAULT_MAX_DELAY`. Each is None under a policy that does not read it, and giving it one is
     refused (it would have no effect).
     `attention_backend`, `compilation_cache_dir` and `coordinator_address` are None for their

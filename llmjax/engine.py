@@ -287,8 +287,9 @@ class LLMEngine:
             params = dataclasses.replace(params, max_tokens=self.config.max_model_len - len(ids))
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63))
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        children = [Request(child_id, ids, params, seed, namespace, text, sample_index=i,
-                            key=next(self._keys), arrival_time=arrival) for i, child_id in enumerate(child_ids)]
+        keys = [next(self._keys) for _ in child_ids]
+        children = [Request(child_id, ids, params, seed, namespace, text, sample_index=i, key=key, group=keys[0],
+                            arrival_time=arrival) for i, (child_id, key) in enumerate(zip(child_ids, keys))]
         states = [_SequenceState(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
                   for _ in children]
         if params.prompt_logprobs is not None:
@@ -339,6 +340,10 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise RequestError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}",
                                "logit_bias")
+        batch_size = self.config.batch_size
+        if batch_size is not None and params.n > batch_size:
+            raise RequestError(f"n ({params.n}) is more than the batch size ({batch_size}): a static or dynamic "
+                               "batch holds all of a request's samples", "n")
         max_len = self.config.max_model_len
         check_fits_context(len(ids), None, max_len)  # a longer request stops at max_model_len ("length")
         # the most tokens it can reach: without max_tokens, or with more than fit, max_model_len
@@ -545,7 +550,7 @@ class LLMEngine:
             parent.texts[request.sample_index].detokenize(output_ids, stop_token)
         if parent.held:  # the prompt is computed and its full pages cached
             for sibling in parent.held:
-                self.scheduler.add(sibling, request)
+                self.scheduler.add(sibling)
             self.num_held_samples -= len(parent.held)
             parent.held = []
 

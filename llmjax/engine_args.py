@@ -54,7 +54,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling-policy", choices=["continuous", "static", "dynamic"], default=d.scheduling_policy)
     parser.add_argument("--queue-order", choices=["fcfs", "lpm"], default=d.queue_order)
     parser.add_argument("--batch-size", type=int, default=None,
-                        help=f"static/dynamic batching: requests per batch, at most --max-num-seqs "
+                        help=f"static/dynamic batching: sequences per batch (a request with n samples counts n; "
+                             f"one whose n is larger is refused), at most --max-num-seqs "
                              f"(default: {DEFAULT_BATCH_SIZE}, or --max-num-seqs when smaller)")
     parser.add_argument("--max-delay", type=float, default=None,
                         help=f"dynamic batching: seconds a batch waits to fill (default: {DEFAULT_MAX_DELAY})")

@@ -55,7 +55,8 @@ class Request:
     integer (the sampler folds it into the PRNG key as two 32-bit words). `owner`: the engine's
     record of the request it is one sample of (opaque to the scheduler). `key`: its name in the
     KV manager, unique among live requests (default: `request_id`; the engine numbers its samples,
-    as the ids callers give may clash with a sample's `<id>#<i>`).
+    as the ids callers give may clash with a sample's `<id>#<i>`). `group`: shared by the samples
+    of one request (default: `key`), so a static or dynamic batch takes all of them.
     Compared and hashed by identity.
     """
 
@@ -68,6 +69,7 @@ class Request:
     sample_index: int = 0  # which of its parent request's n samples this is
     owner: Any = None
     key: Hashable = None
+    group: Hashable = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
@@ -88,6 +90,8 @@ class Request:
     def __post_init__(self) -> None:
         if self.key is None:
             self.key = self.request_id
+        if self.group is None:
+            self.group = self.key
 
     @property
     def all_token_ids(self) -> list[int]:

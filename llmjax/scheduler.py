@@ -7,9 +7,10 @@ Plain Python and numpy, no JAX. Policies (`EngineConfig.scheduling_policy`):
   token budget (`max_num_batched_tokens`) and at most `max_num_seqs` requests. With chunked
   prefill a prompt longer than the remaining budget is split, so prefill chunks and decodes
   share a step; running decodes are scheduled before any new chunk, so a chunk never starves them.
-- static: a batch of `batch_size` requests forms when that many have arrived (or the input is
-  closed) and runs until its longest member finishes; then the next batch forms. The samples of
-  a request with n > 1 all belong to its batch. A server never closes its input, so it refuses
+- static: a batch of `batch_size` sequences forms when that many have arrived (or the input is
+  closed) and runs until its longest member finishes; then the next batch forms. A request with
+  n > 1 counts n sequences, and all its samples belong to its batch (the engine refuses n above
+  `batch_size`); the batch takes whole requests in queue order. A server never closes its input, so it refuses
   this policy (a partial batch would wait forever): dynamic is static with a deadline.
 - dynamic: static, but a batch also leaves once its oldest request has waited `max_delay` seconds.
 
@@ -42,7 +43,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -132,7 +133,7 @@ class Scheduler:
         self.buckets = StepBuckets(config)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.batch: set[int] = set()  # static/dynamic: keys of the current batch's members
+        self.batch: set[Hashable] = set()  # static/dynamic: the `group`s of the current batch's requests
         self.input_closed = False  # static/dynamic: no more arrivals, so a partial batch may start
         self.num_preemptions = 0
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
@@ -153,12 +154,10 @@ class Scheduler:
             self._last_token = np.zeros(rows, np.int32)  # the row's last token known on the host
 
     # --- queue changes -------------------------------------------------------------------
-    def add(self, request: Request, sibling: Request | None = None) -> None:
-        """Queue `request`. `sibling`: a sample of the same request already admitted (samples past the
-        first wait for its prompt); under static/dynamic batching it joins that sample's batch."""
+    def add(self, request: Request) -> None:
+        """Queue `request` (under static/dynamic batching, a sample whose request is in the current
+        batch joins it: see `_form_batch`)."""
         self.waiting.append(request)
-        if sibling is not None and sibling.key in self.batch:
-            self.batch.add(request.key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -176,7 +175,6 @@ class Scheduler:
                     self._left.append(i)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.batch.discard(request.key)
         self._release_row(request)
         if self.kv.has_request(request.key):
             self.kv.free(request.key, request.token_slice(0, request.num_computed_tokens))
@@ -325,7 +323,7 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
-            if (batched and request.key not in self.batch) or request.num_pending:
+            if (batched and request.group not in self.batch) or request.num_pending:
                 skipped.append(request)  # not in the batch, or preempted with a token still on the device
                 continue
             # one collecting prompt logprobs computes every prompt token: no prefix hit, no cache query
@@ -364,17 +362,30 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
     def _form_batch(self) -> None:
-        """static/dynamic: when the current batch is done, take the next one from the queue."""
+        """static/dynamic: when the current batch is done (none of its requests' samples is queued or
+        running; samples the engine still holds back join it later, see `Request.group`), take the
+        next one from the queue: whole requests in queue order, `batch_size` sequences at most."""
         policy = self.config.scheduling_policy
-        if policy == "continuous" or self.batch or not self.waiting:
+        if policy == "continuous" or not self.waiting:
+            return
+        batch = self.batch
+        if batch and any(r.group in batch for r in self.running) or any(r.group in batch for r in self.waiting):
             return
         size = self.config.batch_size
-        full = len(self.waiting) >= size
+        sequences: dict[Hashable, int] = {}  # queued requests in queue order: their samples
+        for request in self.waiting:
+            sequences.setdefault(request.group, request.sampling_params.n)
+        full = sum(sequences.values()) >= size
         # the oldest request's wait: lpm may have put another first
         # (the deadline as the simulator's clock reaches it: now - oldest >= max_delay can round false there)
         timed_out = policy == "dynamic" and self.clock() >= self.oldest_arrival() + self.config.max_delay
         if full or timed_out or self.input_closed:
-            self.batch = {r.key for r in list(self.waiting)[:size]}
+            taken, self.batch = 0, set()
+            for group, n in sequences.items():
+                if taken and taken + n > size:  # (the engine refuses n above batch_size)
+                    break
+                self.batch.add(group)
+                taken += n
 
     def oldest_arrival(self) -> float:
         """The arrival time of the request that has waited longest (the queue is not empty)."""

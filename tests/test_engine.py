@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from llmjax.engine import RequestError
+from llmjax.engine import LLMEngine, RequestError
 from llmjax.outputs import OutputAccumulator
 from llmjax.sampling_params import RequestOutputKind, SamplingParams
 from tests.engine_helpers import (GREEDY, assert_greedy_matches, assert_logprob_ranks_and_texts, dense_greedy,
@@ -217,8 +217,7 @@ def test_final_only_abort_returns_everything_generated_so_far():
     assert engine.kv.usage().used == 0
 
 
-@pytest.mark.parametrize("overrides", [{}, {"async_scheduling": True},
-                                       {"scheduling_policy": "static", "batch_size": 2}], ids=["sync", "async", "static"])
+@pytest.mark.parametrize("overrides", [{}, {"async_scheduling": True}], ids=["sync", "async"])
 def test_more_samples_than_batch_rows_queue_and_give_the_same_samples(overrides):
     """`n` above `max_num_seqs` is served as vLLM serves it: the samples that find no row wait for one;
     each sample is the one a roomy engine makes (its seed and index fix it)."""
@@ -399,3 +398,48 @@ def test_stream_interval_outputs_the_first_token_then_every_interval_tokens_then
             rest = len(expected.outputs[0].token_ids) - 1
             counts = [len(d.outputs[0].token_ids) for d in got]
             assert counts == [1] + [4] * (rest // 4) + ([rest % 4] if rest % 4 else [])
+
+
+def _assert_batches(engine: LLMEngine, requests: dict[str, SamplingParams], batches: list[set[str]]) -> None:
+    """Run `requests` (request id -> params, prompts from PROMPTS) to completion; assert that each
+    step ran samples of one of `batches` (request ids) only, the batches one after another, each
+    whole."""
+    steps: list[set[str]] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        if not out.empty:
+            steps.append({r.owner.request_id for r in out.requests})
+        return out
+
+    engine.scheduler.schedule = recorded
+    for (request_id, params), prompt in zip(requests.items(), PROMPTS):
+        engine.add_request(prompt, params, request_id)
+    drain(engine, list(requests))
+    assert engine.kv.usage().used == 0
+    batch, seen = 0, [set() for _ in batches]
+    for step in steps:
+        while not step <= batches[batch]:
+            assert seen[batch] == batches[batch], (steps, batches)
+            batch += 1
+            assert batch < len(batches), (steps, batches)
+        seen[batch] |= step
+    assert seen == batches, (steps, batches)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("policy", [dict(scheduling_policy="static"), dict(scheduling_policy="dynamic", max_delay=0.0)],
+                         ids=["static", "dynamic"])
+def test_a_static_batch_holds_whole_requests_and_counts_their_samples(policy, prefix_caching):
+    """`batch_size` counts sequences (n samples count n) and a batch takes whole requests in queue
+    order: with 3 sequences a batch, a (n=2) runs alone, then b (n=2) and c (n=1) together; in a
+    batch {d (n=2, one token), e}, d's held-back sample still runs in d's batch, before f's."""
+    engine = tiny_engine(max_num_seqs=4, batch_size=3, enable_prefix_caching=prefix_caching, **policy)
+    two, one = SamplingParams(n=2, max_tokens=6, ignore_eos=True), SamplingParams(max_tokens=6, ignore_eos=True)
+    _assert_batches(engine, {"a": two, "b": two, "c": one}, [{"a"}, {"b", "c"}])
+    first_token = SamplingParams(n=2, max_tokens=1, ignore_eos=True)
+    _assert_batches(engine, {"d": first_token, "e": one, "f": one}, [{"d", "e"}, {"f"}])
+    with pytest.raises(RequestError, match=r"n \(4\) is more than the batch size \(3\)"):
+        engine.add_request(PROMPTS[0], SamplingParams(n=4))
+    assert not engine.has_unfinished_requests()

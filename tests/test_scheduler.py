@@ -132,14 +132,18 @@ def test_dynamic_batch_deadline_is_the_oldest_requests_even_when_lpm_puts_anothe
 
 
 def test_a_later_sample_joins_its_first_samples_batch():
-    s = scheduler(scheduling_policy="static", batch_size=2)
-    first, other, late = make(3, max_tokens=6), make(3, max_tokens=6), make(3)
+    # batch_size counts sequences: a request with n = 2 counts 2, with its held-back sample
+    s = scheduler(scheduling_policy="static", batch_size=3)
+    params = SamplingParams(max_tokens=6, n=2)
+    first = Request("a#0", list(range(100, 103)), params, seed=0, key="a#0")
+    other, late = make(3, max_tokens=6), make(3)
     s.add(first)
     s.add(other)
-    run_step(s)
-    sibling = make(3, max_tokens=6)  # the engine queues samples past the first once it has its prompt
-    s.add(sibling, first)
     s.add(late)
+    assert set(run_step(s).requests) == {first, other}
+    # the engine queues samples past the first once the first has its prompt
+    sibling = Request("a#1", list(range(100, 103)), params, seed=0, key="a#1", group=first.group)
+    s.add(sibling)
     assert sibling in run_step(s).requests
     assert all(late not in run_step(s).requests for _ in range(5))
 
