@@ -9,6 +9,12 @@ which carries the KV cache's configuration in its labels, as vLLM's does.
 
 Prefix-cache queries and hits count tokens, as vLLM's do: queried prompt tokens and the tokens
 found cached (`experiments/routing.py` and `load.py` read them from each replica with `parse_metrics`).
+
+A request with n > 1 samples: the histograms and `prompt_tokens` count it once (its prompt once,
+its generation tokens summed over the samples, the first sample's first token, the steps that
+sampled any of them), while `request_success` and the prefix-cache counters count each sample
+(each is admitted and looks up its prompt). vLLM makes each sample a request of its own and counts
+samples throughout; with n = 1 the two agree.
 """
 
 from __future__ import annotations
@@ -53,10 +59,12 @@ class _EngineCollector:
             gauge.add_metric([self.model_name], value)
             yield gauge
         for name, doc, value in [
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queried_tokens),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (by each sample).",
+             s.prefix_queried_tokens),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hit_tokens),
             ("num_preemptions", "Requests preempted (recomputed later).", s.num_preemptions),
-            ("prompt_tokens", "Prompt tokens of accepted requests.", s.prompt_tokens),
+            ("prompt_tokens", "Prompt tokens of requests that got a first token (an n > 1 request's once).",
+             s.prompt_tokens),
             ("generation_tokens", "Generated tokens.", s.generation_tokens),
             ("engine_errors", "Requests the engine failed (an exception admitting or stepping them), a dead loop.",
              s.num_engine_errors),
