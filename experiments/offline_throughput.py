@@ -52,7 +52,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from llmjax.cli_types import (choice_list, non_negative_int, positive_finite, positive_int,  # noqa: E402
+from llmjax.cli_types import (choice_list, non_negative_int, parse_quick, positive_finite, positive_int,  # noqa: E402
                               positive_int_list)
 from llmjax.provenance import results_dir, write_results  # noqa: E402
 
@@ -410,7 +410,10 @@ def main() -> None:
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--out-name", default=None, help="results/<name>.md|json (default: offline_throughput, "
                                                          "offline_throughput_equal for --workload equal)")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="smoke run: 4 requests of the equal workload, llmjax's "
+                        "best against HF bfloat16 batch 4, one pass each and one pair; written to build/results-quick/")
+    args = parse_quick(parser, dict(workload="equal", num_requests=4, systems=["llmjax-best", "hf"],
+                                    hf_dtypes=["bfloat16"], hf_batch_sizes=[4], hf_orders=["sorted"], repeats=1, pairs=1))
 
     prompts, outputs = workload(args.workload, args.num_requests, args.seed)
     n_req, total_out = len(prompts), sum(outputs)
@@ -533,8 +536,9 @@ def main() -> None:
     report, data = summarize(args, runs, peaks, bandwidth, flops, total_out, n_req, hf_models, reference_tokens,
                              paired)
     name = args.out_name or ("offline_throughput_equal" if args.workload == "equal" else "offline_throughput")
-    write_results(results_dir(), name, "# Offline throughput\n\n" + report, data)
-    plot(runs, total_out, results_dir() / f"{name}.png")
+    out = results_dir(args.quick)
+    write_results(out, name, "# Offline throughput\n\n" + report, data)
+    plot(runs, total_out, out / f"{name}.png")
     print(report)
 
 
