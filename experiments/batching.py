@@ -109,7 +109,7 @@ CPU_TOLERANCE = 0.10  # a CPU Poisson run is one run on a shared machine: closer
 def by_round(passes: dict[str, list]) -> dict[str, list[float]]:
     """Per policy, its tokens/s over static's in each round of capacity passes (the policies took turns
     within a round, and every pass serves the same tokens: static's makespan over the policy's)."""
-    static = next(iter(passes.values()))
+    static = passes["static"]
     return {p: [s.duration / r.duration for s, r in zip(static, runs)] for p, runs in passes.items()}
 
 

@@ -369,7 +369,7 @@ class Scheduler:
         if policy == "continuous" or not self.waiting:
             return
         batch = self.batch
-        if batch and any(r.group in batch for r in self.running) or any(r.group in batch for r in self.waiting):
+        if batch and (any(r.group in batch for r in self.running) or any(r.group in batch for r in self.waiting)):
             return
         size = self.config.batch_size
         sequences: dict[Hashable, int] = {}  # queued requests in queue order: their samples

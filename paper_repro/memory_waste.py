@@ -332,6 +332,7 @@ def report(runs, ours, sens, args) -> str:
     ratios = ", ".join(f"{n} {ratio(ours, n):.2f}x ({ratio(PAPER, n):.2f}x)" for n in SYSTEMS)
     max_fit = NUM_SLOTS // MAX_LEN  # Orca (Max) reserves MAX_LEN slots a request
     max_left = 100 * (NUM_SLOTS - max_fit * MAX_LEN) / NUM_SLOTS
+    orca_max = ours["Orca (Max)"]
     return f"""# Memory waste: PagedAttention (SOSP 2023) Figure 2, reproduced in simulation
 
 `python -m paper_repro.memory_waste --requests {args.requests} --seeds {args.seeds}`
@@ -347,12 +348,13 @@ mean batch = mean number of requests in a step (the paper's Figure 13a, ShareGPT
 
 Batch size relative to Orca (Max), ours (paper): {ratios}.
 
-{verdict(ours)} Two cells match the paper by the pool's arithmetic alone, not by the simulation:
-Orca (Max) reserves {MAX_LEN} slots a request, so {max_fit} requests fit the {NUM_SLOTS} slots and
-{max_left:.1f}% are left over whenever they run (its external share, {ours['Orca (Max)']['external_fragmentation']:.1f}%; its mean
-batch, {ours['Orca (Max)']['mean_batch_size']:.1f}). vLLM's token states are {ours['vLLM']['token_states']:.1f}% over the memory-bound
-steps the shares average; over all steady-state steps they are {ours['vLLM']['steady_token_states']:.1f}% (the rest idle, not
-wasted, memory: see "Averaging window" below). {gaps(ours)} Pow2's external share includes the buddy allocator's rounding of
+{verdict(ours)} Two cells follow mostly from the pool's arithmetic, not from the simulation:
+Orca (Max) reserves {MAX_LEN} slots a request, so at most {max_fit} requests fit the {NUM_SLOTS} slots,
+leaving {max_left:.1f}% over whenever {max_fit} run (its external share,
+{orca_max['external_fragmentation']:.1f}%); its mean batch, {orca_max['mean_batch_size']:.1f}, is that bound because it was
+memory bound for {orca_max['memory_bound_time']:.0f}% of the steady state. vLLM's token states are
+{ours['vLLM']['token_states']:.1f}% over the memory-bound steps the shares average; over all steady-state steps
+they are {ours['vLLM']['steady_token_states']:.1f}% (the rest idle, not wasted, memory: see "Averaging window" below). {gaps(ours)} Pow2's external share includes the buddy allocator's rounding of
 `prompt + pow2(output)` up to a power of two, which depends on the joint shape of the length
 distributions, which the paper does not publish. The paged pool's internal fragmentation
 ({ours['vLLM']['internal_fragmentation']:.1f}%) compares with half a {CONFIG.block_size}-token block for each of the

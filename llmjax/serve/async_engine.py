@@ -199,9 +199,10 @@ class AsyncEngine:
             self._die(exc)
 
     def _serve_commands(self, stalled: bool) -> bool:
-        """Run pending commands. When idle: publish stats, then block for a
-        command; after a step that scheduled nothing (a static/dynamic batch not formed yet), wait up
-        to STALL_WAIT_S for one instead of spinning. Returns False on shutdown."""
+        """Run pending commands. When idle: publish stats, then block for a command; after a step
+        that made no progress (`_step`: it neither scheduled work nor completed the step in flight,
+        as when a dynamic batch has not formed yet), wait up to STALL_WAIT_S for one instead of
+        spinning. Returns False on shutdown."""
         if not self.engine.has_unfinished_requests():
             self._publish()
             wait = None

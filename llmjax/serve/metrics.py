@@ -13,7 +13,8 @@ found cached (`experiments/routing.py` and `load.py` read them from each replica
 A request with n > 1 samples: the histograms and `prompt_tokens` count it once (its prompt once,
 its generation tokens summed over the samples, the first sample's first token, the steps that
 sampled any of them), while `request_success` and the prefix-cache counters count each sample
-(each is admitted and looks up its prompt). vLLM makes each sample a request of its own and counts
+(each is admitted and looks up its prompt; one collecting prompt logprobs computes the whole prompt
+and looks up nothing). vLLM makes each sample a request of its own and counts
 samples throughout; with n = 1 the two agree.
 """
 
