@@ -69,10 +69,14 @@ Formatter = Callable[[dict, Numbers], str]
 
 # --- one formatter per experiment ----------------------------------------------------------------------
 def offline_throughput(d: dict, n: Numbers) -> str:
-    hf, best = d["hf_s"], d["hf_best"]
-    batches = sorted(float(b) for b in hf)
-    edge = (" (the largest tried)" if best["batch"] == batches[-1] < d["num_requests"] else
-            " (the smallest tried)" if best["batch"] == batches[0] < batches[-1] else "")
+    hf, best, requests = d["hf_s"], d["hf_best"], d["num_requests"]
+    # a batch size above the request count ran as one batch of them all (runs before the script capped it)
+    batches = sorted({min(float(b), requests) for b in hf})
+    best_batch = min(best["batch"], requests)
+    capped = (f" (sizes above its {n(requests, 'd')} requests ran as one batch of them all)"
+              if any(float(b) > requests for b in hf) else "")
+    edge = (" (the largest tried)" if best_batch == batches[-1] < requests else
+            " (the smallest tried)" if best_batch == batches[0] < batches[-1] else "")
     same = (f", greedy outputs identical to HF {d['llmjax_dtype']} for {n(d['identical'], 'd')} of "
             f"{n(d['num_requests'], 'd')} requests" if d.get("identical") is not None else "")
     paired = d.get("paired")
@@ -89,8 +93,9 @@ def offline_throughput(d: dict, n: Numbers) -> str:
     return (f"SmolLM2 on this CPU, {d['workload']} workload ({n(d['num_requests'], 'd')} requests, "
             f"{n(d['output_tokens'], 'd')} output tokens): llmjax in {d['llmjax_dtype']} "
             f"{ratio} the output tokens/s of HF `generate` at the best of its settings tried "
-            f"({best['dtype']}, batch {n(best['batch'], 'd')} of {' / '.join(n(float(b), '.0f') for b in hf)}"
-            f"{edge}, {best['order']} order){same}; {n.ratio(d['achieved_flops'], d['peak_flops'], '.0%')} of the "
+            f"({best['dtype']}, batch {n(best_batch, 'd')} of {' / '.join(n(b, '.0f') for b in batches)}"
+            f"{edge}{capped}, {best['order']} order){same}; "
+            f"{n.ratio(d['achieved_flops'], d['peak_flops'], '.0%')} of the "
             f"machine's "
             f"{d['llmjax_dtype']} matmul peak (its steady decode step "
             f"{n.ratio(d['decode_step_flops'], d['decode_peak_flops'], '.0%')}{floor}), where full use of it would allow at most "
@@ -118,9 +123,12 @@ def radix_hit_rate(d: dict, n: Numbers) -> str:
         e = d["engine"]
         hits = [m["hit_rate"] for w in e.values() for k, m in w.items() if k != "off"]
         speedups = [w[k]["cpu_speedup"] for w in e.values() for k in ("fcfs", "lpm")]
+        ceilings = [w["off"]["hit_ceiling"] for w in e.values()]
         parts.append(f"real engine on SmolLM2 ({', '.join(w.split(' (')[0] for w in e)}): {n.span(hits, '.0f', 100)} % prefix hit rate "
-                     f"(paper {n(d['paper']['hit_rate_min'], '.0f', 100)}-{n(d['paper']['hit_rate_max'], '.0f', 100)} "
-                     f"%), {n.span(speedups, '.2f')}x the requests per CPU second of caching off (medians over "
+                     f"against ceilings of {n.span(ceilings, '.0f', 100)} % that the workloads' construction sets (the "
+                     f"paper's {n(d['paper']['hit_rate_min'], '.0f', 100)}-{n(d['paper']['hit_rate_max'], '.0f', 100)} "
+                     f"% are other workloads), {n.span(speedups, '.2f')}x the requests per CPU second of caching off "
+                     "(medians over "
                      f"{n(d['args']['repeats'], 'd')} repeats)")
     s = d["scale"]["summary"]
     parts.append(f"simulator, few-shot at the smallest pool ({n(s['pool_tokens'], 'd')} tokens, requests queueing: "
@@ -275,8 +283,11 @@ def stream_interval(d: dict, n: Numbers) -> str:
 def bench_client(d: dict, n: Numbers) -> str:
     rows = {r["client"]: r for r in d["rows"]}
     old, new = rows["httpx"], rows["aiohttp"]
-    return (f"`llmjax bench`'s streams through httpx -> aiohttp, {n(d['args']['concurrency'], 'd')} concurrent streams "
-            f"of a tiny model, one event per token: client CPU per SSE event {n(old['client_us_per_event'], '.0f')} -> "
+    args = d["args"]
+    return (f"`llmjax bench`'s streams through httpx -> aiohttp, {n(args['concurrency'], 'd')} concurrent streams "
+            f"of a tiny model, every token streamed as it comes, {n(new['events'], 'd')} SSE events a run for "
+            f"{n(args['num_prompts'], 'd')} x {n(args['output_len'], 'd')} output tokens (a stream merges the deltas "
+            f"its reader has not read yet): client CPU per SSE event {n(old['client_us_per_event'], '.0f')} -> "
             f"{n(new['client_us_per_event'], '.0f')} us; measured output {n(old['tok_s'], '.0f')} -> "
             f"{n(new['tok_s'], '.0f')} tok/s ({n.ratio(new['tok_s'], old['tok_s'])}x), the client having taken "
             "that CPU from the server it shares the machine with")
@@ -285,7 +296,8 @@ def bench_client(d: dict, n: Numbers) -> str:
 def router_overhead(d: dict, n: Numbers) -> str:
     rows = {r["path"]: r for r in d["rows"]}
     direct, routed = rows["direct"], rows["router"]
-    return (f"{n(d['args']['concurrency'], 'd')} concurrent streams of a tiny model, one event per token, through "
+    return (f"{n(d['args']['concurrency'], 'd')} concurrent streams of a tiny model, every token streamed as it comes, "
+            "through "
             f"`llmjax router` to one replica: {n(routed['tok_s'], '.0f')} output tok/s against "
             f"{n(direct['tok_s'], '.0f')} direct ({n(routed['vs_direct'], '.2f')}x); TPOT p50 "
             f"{n(routed['tpot_p50_ms'], '.1f')} against {n(direct['tpot_p50_ms'], '.1f')} ms; the router's CPU "
@@ -295,7 +307,9 @@ def router_overhead(d: dict, n: Numbers) -> str:
 def batching(d: dict, n: Numbers) -> str:
     cpu, sim, cpu_cap, sim_cap = d["cpu"], d["sim"], d["cpu_capacity"], d["sim_capacity"]
     return (f"at capacity, continuous batching serves {n(sim_cap[2]['speedup'], '.2f')}x static's tokens/s in the "
-            f"simulated A100/OPT-13B and {n(cpu_cap[2]['speedup'], '.2f')}x on the CPU engine; under Poisson load "
+            f"simulated A100/OPT-13B and {n(cpu_cap[2]['speedup_round_median'], '.2f')}x on the CPU engine (rounds "
+            f"{n(min(cpu_cap[2]['speedups_by_round']), '.2f')}-{n(max(cpu_cap[2]['speedups_by_round']), '.2f')}x); "
+            "under Poisson load "
             f"p50 TTFT {n(sim[0]['ttft_p50_ms'], '.0f', 1e-3)} s -> {n(sim[2]['ttft_p50_ms'], '.2f', 1e-3)} s "
             f"(simulated; the load is {n.ratio(d['sim_offered_tokens_per_s'], sim_cap[0]['tokens_per_s'], '.1f')}x "
             f"static's capacity, so static's TTFT is the backlog of "
@@ -362,16 +376,20 @@ def triton_sm90(d: dict, n: Numbers) -> str:
 
 # (README label, JSON path under the repository, formatter)
 ROWS: list[tuple[str, str, Formatter]] = [
-    ("[offline_throughput](results/offline_throughput.md)", "results/offline_throughput.json", offline_throughput),
+    # rows measured on an older engine say so (a rerun needs a Xeon with AMX, or llama.cpp)
+    ("[offline_throughput](results/offline_throughput.md) (an older engine, 094176c)",
+     "results/offline_throughput.json", offline_throughput),
     ("[offline_throughput](results/offline_throughput_epyc.md) (no AMX)", "results/offline_throughput_epyc.json",
      offline_throughput),
-    ("[offline_throughput, equal prompts](results/offline_throughput_equal.md)", "results/offline_throughput_equal.json",
-     offline_throughput),
+    ("[offline_throughput, equal prompts](results/offline_throughput_equal.md) (an older engine, 094176c)",
+     "results/offline_throughput_equal.json", offline_throughput),
     ("[offline_throughput, equal prompts](results/offline_throughput_equal_epyc.md) (no AMX)",
      "results/offline_throughput_equal_epyc.json", offline_throughput),
-    ("[offline_throughput, with llama.cpp](results/offline_throughput_peers_epyc.md) (no AMX)",
+    ("[offline_throughput, with llama.cpp](results/offline_throughput_peers_epyc.md) (no AMX; engine before its "
+     "AVX512-BF16 matmul, b3f19d8)",
      "results/offline_throughput_peers_epyc.json", offline_throughput),
-    ("[offline_throughput, equal prompts, with llama.cpp](results/offline_throughput_equal_peers_epyc.md) (no AMX)",
+    ("[offline_throughput, equal prompts, with llama.cpp](results/offline_throughput_equal_peers_epyc.md) (no AMX; "
+     "engine before its AVX512-BF16 matmul, b3f19d8)",
      "results/offline_throughput_equal_peers_epyc.json", offline_throughput),
     ("[packed_matmul](results/packed_matmul_epyc.md) (AVX512-BF16)", "results/packed_matmul_epyc.json", packed_matmul),
     ("[decode_attention](results/decode_attention.md)", "results/decode_attention.json", decode_attention),
