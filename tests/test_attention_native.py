@@ -263,3 +263,22 @@ def test_falls_back_without_a_compiler(caplog):
     assert backend.default_backend_name("cpu") == "xla"
     with pytest.raises(ValueError, match="native kernel is unavailable"):
         backend.get_attention_backend("cpu")
+
+
+def test_cxx_that_names_no_executable_is_an_error(monkeypatch):
+    # not silently replaced by another compiler
+    monkeypatch.setenv("CXX", "clang++-no-such-compiler")
+    with pytest.raises(native.BuildError, match="no executable"):
+        native.find_compiler()
+
+
+def test_a_cached_library_that_does_not_load_is_built_again(tmp_path, monkeypatch):
+    if not native.available():
+        pytest.skip("no native kernel here")
+    good = native.build()
+    broken = tmp_path / "cut-short.so"
+    broken.write_bytes(b"")  # what a crash between compiling and syncing can leave under the cached name
+    paths = iter([broken, good])
+    monkeypatch.setattr(native, "build_library", lambda kernel, directory=None: next(paths))
+    assert native.load(native.PAGED_DECODE)
+    assert not broken.exists()

@@ -316,3 +316,16 @@ def test_cpu_default_dtype_is_bfloat16_only_with_bfloat16_dot_instructions(monke
     monkeypatch.setattr(loader.packed_matmul, "enabled", lambda dtype: packed and jnp.dtype(dtype) == jnp.bfloat16)
     monkeypatch.setattr(loader.native, "cpu_features", lambda: frozenset(features))
     assert loader.default_dtype() == expected
+
+
+@pytest.mark.parametrize("value, disabled", [("", False), ("0", False), ("false", False), ("Off", False),
+                                             ("1", True), ("true", True), ("YES", True), ("on", True)])
+def test_the_disabling_variable_reads_its_value_not_its_presence(monkeypatch, value, disabled):
+    monkeypatch.setenv(pmm.DISABLE_ENV, value)
+    assert pmm.disabled_by_env() is disabled
+
+
+def test_a_disabling_variable_that_is_no_boolean_is_an_error(monkeypatch):
+    monkeypatch.setenv(pmm.DISABLE_ENV, "maybe")
+    with pytest.raises(ValueError, match="LLMJAX_NO_PACKED_MATMUL"):
+        pmm.disabled_by_env()

@@ -76,8 +76,15 @@ def cache_dir() -> Path:
 
 
 def find_compiler() -> str:
-    """`$CXX`, else the first of `_COMPILERS` on PATH; BuildError when there is none."""
-    for name in filter(None, (os.environ.get("CXX"), *_COMPILERS)):
+    """`$CXX` (one executable, a path or a name on PATH), else the first of `_COMPILERS` on PATH;
+    BuildError when `$CXX` names no executable or there is no compiler."""
+    chosen = os.environ.get("CXX")
+    if chosen:
+        path = shutil.which(chosen)
+        if path is None:
+            raise BuildError(f"$CXX ({chosen!r}) is no executable on PATH (it names one compiler, without arguments)")
+        return path
+    for name in _COMPILERS:
         path = shutil.which(name)
         if path:
             return path
@@ -138,6 +145,8 @@ def build_library(kernel: NativeKernel, directory: Path | None = None) -> Path:
                               capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise BuildError(f"{compiler} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        with open(tmp, "rb") as written:  # on disk before it takes the cached name
+            os.fsync(written.fileno())
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as e:
         raise BuildError(f"compiling {source.name} failed: {e}") from e
@@ -170,9 +179,16 @@ def _register(kernel: NativeKernel, path: Path) -> None:
 
 
 def load(kernel: NativeKernel) -> bool:
-    """Whether `kernel` is compiled, loaded, initialised and registered (see the module docstring)."""
+    """Whether `kernel` is compiled, loaded, initialised and registered (see the module docstring).
+    A cached library that does not load (a file cut short by a crash or a full disk) is deleted and
+    built once more."""
     try:
-        _register(kernel, build_library(kernel))
+        path = build_library(kernel)
+        try:
+            _register(kernel, path)
+        except OSError:
+            path.unlink(missing_ok=True)
+            _register(kernel, build_library(kernel))
     except (BuildError, OSError, AttributeError) as e:
         log.warning("%s unavailable, using %s: %s", kernel.label, kernel.fallback, e)
         return False

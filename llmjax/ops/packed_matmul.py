@@ -27,8 +27,8 @@ has the numbers).
   (one warning when a build or the permission failed). Cached.
 - `enabled(dtype)`: whether a model of `dtype` should run its linear layers here: bfloat16,
   the CPU backend with one device (several CPU devices mean tensor parallelism, whose sharding
-  rules know only plain kernels), a `selected()` kernel, and `LLMJAX_NO_PACKED_MATMUL` unset
-  (set it to 1 to compare with XLA's bfloat16 dots).
+  rules know only plain kernels), a `selected()` kernel, and `LLMJAX_NO_PACKED_MATMUL` not set
+  to 1, true, yes or on (set it to compare with XLA's bfloat16 dots).
 """
 
 from __future__ import annotations
@@ -102,7 +102,16 @@ def selected() -> PackedKernel | None:
 def enabled(dtype) -> bool:
     """Whether a model with parameters of `dtype` runs its linear layers on a packed kernel here."""
     return (jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu"
-            and jax.device_count() == 1 and not os.environ.get(DISABLE_ENV) and selected() is not None)
+            and jax.device_count() == 1 and not disabled_by_env() and selected() is not None)
+
+
+def disabled_by_env() -> bool:
+    """Whether `LLMJAX_NO_PACKED_MATMUL` turns the packed kernels off (1, true, yes or on; 0, false,
+    no, off or empty leave them on)."""
+    value = os.environ.get(DISABLE_ENV, "").strip().lower()
+    if value not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+        raise ValueError(f"{DISABLE_ENV} is 1 / true / yes / on or 0 / false / no / off, got {value!r}")
+    return value in ("1", "true", "yes", "on")
 
 
 def packed_shape(k: int, n: int) -> tuple[int, ...]:

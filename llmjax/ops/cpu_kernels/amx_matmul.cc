@@ -1,6 +1,6 @@
 // bfloat16 matmul with float32 accumulation on Intel AMX, called through the XLA FFI.
 //
-// Handler `LlmjaxAmxMatmul` (registered by llmjax/ops/amx_matmul.py), operands:
+// Handler `LlmjaxAmxMatmul` (registered by llmjax/ops/packed_matmul.py), operands:
 //   x      bf16 [M, K]  activations
 //   w      [L, ceil(N/32), ceil(K/32), 2, 16, 32], bf16 or u16 (bfloat16 bits): a stack of L
 //          pre-packed weights W [K, N] (the model's layers), read in place:
