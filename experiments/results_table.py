@@ -401,7 +401,6 @@ ROWS: list[tuple[str, str, Formatter]] = [
     ("[routing](results/routing.md)", "results/routing.json", routing),
     ("[load](results/load.md)", "results/load.json", load),
     ("[kv_bookkeeping](results/kv_bookkeeping.md)", "results/kv_bookkeeping.json", kv_bookkeeping),
-    ("[host_overhead](results/host_overhead.md)", "results/host_overhead.json", host_overhead),
     ("[host_overhead](results/host_overhead_epyc.md)", "results/host_overhead_epyc.json", host_overhead),
     ("[stream_interval](results/stream_interval.md)", "results/stream_interval.json", stream_interval),
     ("[bench_client](results/bench_client.md)", "results/bench_client.json", bench_client),

@@ -253,6 +253,7 @@ class ModelRunner:
         self.time_prepare = 0.0  # host: building the step's inputs
         self.time_dispatch = 0.0  # host: the jitted call, which starts the step and returns
         self.time_device = 0.0  # host waiting for the device in `fetch`
+        self.time_fetch = 0.0  # host copying the computed results in `fetch`
         mesh = None if self.layout is None else self.layout.mesh
         structure = (str(jax.tree.structure(model.params)),
                      tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(model.params)))  # e.g. packed or not
@@ -445,9 +446,12 @@ class ModelRunner:
     def fetch(self, inflight: InFlight) -> StepResult:
         """Wait for a dispatched step and bring its results to the host (one transfer)."""
         t0 = time.perf_counter()
+        jax.block_until_ready((inflight.packed, inflight.prompt))
+        t1 = time.perf_counter()
         packed = np.asarray(inflight.packed)[: inflight.num_requests]
         prompt = None if inflight.prompt is None else np.asarray(inflight.prompt)[: inflight.num_tokens]
-        self.time_device += time.perf_counter() - t0
+        self.time_device += t1 - t0
+        self.time_fetch += time.perf_counter() - t1
         k = MAX_LOGPROBS
         if prompt is not None:
             prompt = PromptLogprobs(prompt[:, 0].view(np.float32), prompt[:, 1], prompt[:, 2 : 2 + k],
