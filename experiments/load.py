@@ -127,17 +127,20 @@ class LoadClient:
     def _valid_body(self) -> dict:
         return {"model": MODEL_NAME, "max_tokens": self.rng.randint(1, 40), "temperature": 0, "ignore_eos": True}
 
-    def _fail(self, kind: str, message: str, cut: bool = False) -> None:
-        """A valid request failed. `cut`: its stream had started and then broke; once a replica has
-        been killed, such a failure counts apart (the router cannot retry a stream that started).
-        Any other failure, a whole answer that is wrong included, counts as one."""
-        excused = cut and self.stats["killed"]
+    def _fail(self, kind: str, message: str, cut_stream_sent: float | None = None) -> None:
+        """A valid request failed. `cut_stream_sent`: its stream had started and then broke, and this is
+        when the request was sent (`time.monotonic()`); a stream sent before a replica was killed and
+        cut counts apart (the router cannot retry a stream that started). Any other failure, a stream
+        sent after the kill or a whole answer that is wrong included, counts as one."""
+        killed_at = self.stats["killed_at"]
+        excused = cut_stream_sent is not None and killed_at is not None and cut_stream_sent < killed_at
         self.stats["interrupted" if excused else "failures"].append(f"{kind}: {message}")
 
     async def _check_stream(self, kind: str, body: dict) -> None:
+        sent = time.monotonic()
         result = await stream_completion(self.session, body)
         if not result.ok:
-            return self._fail(kind, result.error, cut=bool(result.text))
+            return self._fail(kind, result.error, sent if result.text else None)
         if result.output_tokens != body["max_tokens"]:
             return self._fail(kind, f"{result.output_tokens} tokens, wanted {body['max_tokens']}")
         self.stats["ttft"].append(result.ttft)
@@ -187,7 +190,7 @@ class LoadClient:
     async def valid_chat_stream(self) -> None:
         body = self._valid_body() | {"messages": [{"role": "user", "content": self._prompt()}], "stream": True,
                                      "stream_options": {"include_usage": True}}
-        start, usage, done, started, error = time.perf_counter(), None, False, False, None
+        start, sent, usage, done, started, error = time.perf_counter(), time.monotonic(), None, False, False, None
         async with self.client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
                 return self._fail("chat", f"HTTP {r.status_code}")
@@ -202,7 +205,7 @@ class LoadClient:
                     started = True
                     usage = chunk.get("usage") or usage
         if error is not None or not done:
-            return self._fail("chat", f"stream broke: {error or 'no [DONE]'}", cut=started)
+            return self._fail("chat", f"stream broke: {error or 'no [DONE]'}", sent if started else None)
         if usage is None or usage["completion_tokens"] != body["max_tokens"]:
             return self._fail("chat", f"usage {usage}, wanted {body['max_tokens']} tokens")
         self.stats["e2e"].append(time.perf_counter() - start)
@@ -261,7 +264,7 @@ class LoadClient:
 async def drive(url: str, clients: int, duration: float, seed: int, max_model_len: int, desc: str,
                 kill_after: float | None = None, kill=None) -> dict:
     stats = {"requests": Counter(), "failures": [], "interrupted": [], "bad_errors": [], "ttft": [], "e2e": [],
-             "killed": False}
+             "killed_at": None}
     # A connection per request, as `llmjax bench` opens them: a pooled one that the router closes as
     # idle while a client reuses it would fail a valid request with a ReadError.
     limits = httpx.Limits(max_connections=clients * 2, max_keepalive_connections=0)
@@ -279,7 +282,7 @@ async def drive(url: str, clients: int, duration: float, seed: int, max_model_le
                 bar.set_postfix(requests=sum(stats["requests"].values()), failed=len(stats["failures"]))
                 if not killed and time.monotonic() - start >= kill_after:
                     kill()
-                    killed = stats["killed"] = True
+                    killed, stats["killed_at"] = True, time.monotonic()
         await asyncio.gather(*workers)
     return stats
 
@@ -351,8 +354,8 @@ def report(args, stats: dict, states: list[dict], health: dict, restarted: bool,
         f"- requests: {total} in {elapsed:.1f} s ({total / elapsed:.1f} req/s): "
         + ", ".join(f"{k} {v}" for k, v in sorted(stats["requests"].items())),
         f"- failed valid requests: {len(stats['failures'])}",
-        f"- streams cut by the kill after they had started: {len(stats['interrupted'])} (not failures: the "
-        "router retries only what has not started)",
+        f"- streams sent before the kill and cut by it after they had started: {len(stats['interrupted'])} (not "
+        "failures: the router retries only what has not started; a stream sent after the kill that breaks is one)",
         f"- poison requests answered wrongly: {len(stats['bad_errors'])}",
         f"- killed replica restarted and back in the router: {'yes' if restarted else 'NO'}",
         "- after the run, per replica: " + "; ".join(
