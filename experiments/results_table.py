@@ -200,7 +200,8 @@ def load(d: dict, n: Numbers) -> str:
     return (f"{n(d['total_requests'], 'd')} requests ({n(d['poison_requests'], 'd')} poison) through the router to "
             f"{n(d['replicas'], 'd')} replicas, one killed with SIGKILL mid-run: {n(d['num_failures'], 'd')} valid "
             f"requests failed, {n(d['num_bad_errors'], 'd')} poison requests answered wrongly, "
-            f"{n(d['num_interrupted'], 'd')} streams cut by the kill after they had started, killed replica "
+            f"{n(d['num_interrupted'], 'd')} streams sent before the kill and cut by it after they had started, "
+            "killed replica "
             f"{'restarted' if d['restarted'] else 'NOT restarted'}, {n(d['leaked_replicas'], 'd')} replicas left with "
             f"requests or KV blocks; /health p99 {n(d['health']['p99_ms'], '.1f')} ms with "
             f"{n(d['health']['non_200'], 'd')} answers not OK")
