@@ -428,9 +428,9 @@ def _assert_batches(engine: LLMEngine, requests: dict[str, SamplingParams], batc
     assert seen == batches, (steps, batches)
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-@pytest.mark.parametrize("policy", [dict(scheduling_policy="static"), dict(scheduling_policy="dynamic", max_delay=0.0)],
-                         ids=["static", "dynamic"])
+@pytest.mark.parametrize("policy, prefix_caching", [(dict(scheduling_policy="static"), True),
+                                                    (dict(scheduling_policy="dynamic", max_delay=0.0), False)],
+                         ids=["static-held-samples", "dynamic-all-samples-queued"])
 def test_a_static_batch_holds_whole_requests_and_counts_their_samples(policy, prefix_caching):
     """`batch_size` counts sequences (n samples count n) and a batch takes whole requests in queue
     order: with 3 sequences a batch, a (n=2) runs alone, then b (n=2) and c (n=1) together; in a
