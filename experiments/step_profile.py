@@ -20,9 +20,13 @@ shared, noisy CPU slows them alike; the table gives medians of wall time and of 
     python experiments/step_profile.py [--baseline-ref REV] [--cases decode,mixed,prefill]
                                        [--dtypes float32,bfloat16]
                                        [--repeats 5] [--attention-backend xla] [--wide-tables]
-                                       [--out-name step_profile]
+                                       [--out-name step_profile] [--quick]
 
-Writes results/<out-name>.md, .json (stamped by `llmjax.provenance`) and .png (attention's share).
+Writes results/<out-name>.md, .json (stamped by `llmjax.provenance`) and .png (attention's share);
+`--quick` (the decode case, bfloat16, 2 rounds) writes to build/results-quick/. The report says
+which of the engine's linear layers ran on a packed native matmul (`llmjax.ops.packed_matmul`: on a
+CPU with AMX or AVX512-BF16 a bfloat16 model's do, unless `LLMJAX_NO_PACKED_MATMUL` is set), since
+the rest of the step's time, and so attention's share, depends on it.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's llmjax, whichever one the environment installed
 
-from llmjax.cli_types import choice_list, non_empty, positive_int  # noqa: E402
+from llmjax.cli_types import choice_list, non_empty, parse_quick, positive_int  # noqa: E402
 from llmjax.provenance import results_dir, write_results  # noqa: E402
 
 
@@ -116,13 +120,16 @@ def main() -> None:
                         help="also run the engine's step with block tables twice as wide (B x 2)")
     parser.add_argument("--out-name", type=non_empty, default="step_profile",
                         help="results/<name>.md, .json and .png (default %(default)s)")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: the decode case in bfloat16, 2 rounds; written to build/results-quick/")
+    args = parse_quick(parser, dict(cases=["decode"], dtypes=["bfloat16"], repeats=2))
 
     import jax
 
     from llmjax.attention.backend import AttentionBackend
     from llmjax.config import EngineConfig
     from llmjax.engine import LLMEngine
+    from llmjax.ops import packed_matmul
     from llmjax.step_input import HostInputs
 
     engines, variants = {}, {}
@@ -146,6 +153,8 @@ def main() -> None:
         variants[f"no attention {dtype}"] = (runner, step_fn(stub), 1)
     engine = next(iter(engines.values()))
     runner, bs = engine.runner, engine.config.block_size
+    kernel = packed_matmul.selected()
+    linear = {d: f"packed {kernel.name} kernel" if packed_matmul.enabled(d) else "XLA dot" for d in engines}
 
     rng = np.random.default_rng(0)
     all_cases = cases(rng)
@@ -217,16 +226,18 @@ def main() -> None:
     table = "\n".join(lines)
     note = (f"\nMedians of {args.repeats} alternating runs per variant; jax {jax.__version__}, "
             f"{jax.devices()[0].platform}, backend {runner.backend.name}, "
-            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; linear layers: "
+            + ", ".join(f"{d} on the {how}" for d, how in linear.items())
             + (f", baseline attention from {args.baseline_ref}" if args.baseline_ref else "") + ".")
     print("\n" + table + note)
     shares = {d: {name: (med[f"engine {d}"][1] - med[f"no attention {d}"][1]) / med[f"engine {d}"][1]
                   for name, _, _, med, _ in rows} for d in dtypes}
-    out = results_dir()
+    out = results_dir(args.quick)
     plot_shares(shares, [desc for _, desc, *_ in rows], out / f"{args.out_name}.png")
     write_results(out, args.out_name, f"# Step profile\n\n`python experiments/step_profile.py {' '.join(sys.argv[1:])}`"
                   f"\n\n![attention's share]({args.out_name}.png)\n\n{table}\n{note}\n",
-                  {"args": vars(args), "backend": runner.backend.name, "attention_share_cpu": shares,
+                  {"args": vars(args), "backend": runner.backend.name, "linear_layers": linear,
+                   "attention_share_cpu": shares,
                    "cases": [{"case": name, "description": desc, "bucket": list(bucket),
                               "wall_s": {v: m[0] for v, m in med.items()}, "cpu_s": {v: m[1] for v, m in med.items()},
                               "compile_s": compile_s} for name, desc, bucket, med, compile_s in rows]})
