@@ -333,14 +333,22 @@ def attention_variants(d: dict, n: Numbers) -> str:
     rows = {r["variant"]: r for r in d["rows"]}
     names = list(rows)
     diffs = d["quality"]["diffs"]
+
+    def rates(key: str) -> str:  # medians, with the range over passes where the JSON has the passes
+        if f"{key}_passes" not in rows[names[0]]:
+            return n.join([rows[v][key] for v in names], '.0f')
+        return " / ".join(f"{n(rows[v][key], '.0f')} ({n.span(rows[v][f'{key}_passes'], '.0f')})" for v in names)
+
     return (f"KV per token vs MHA: {' / '.join(f'{v} ' + n(rows[v]['vs_mha'], '.1%') for v in names[1:])}; "
-            f"{n(d['args']['kv_budget_mib'], 'g')} MiB holds {n.join([rows[v]['capacity'] for v in names], 'd')} "
-            f"requests, decoding {n.join([rows[v]['decode_tok_s'] for v in names], '.0f')} tok/s on this CPU"
+            f"{n(d['args']['kv_budget_mib'], 'g')} MiB (plus the null block) holds "
+            f"{n.join([rows[v]['capacity'] for v in names], 'd')} "
+            f"requests, decoding {rates('decode_tok_s')} tok/s on this CPU"
             + (f" at the batch each budget admits ({n.join([rows[v]['batch'] for v in names], 'd')}), "
-               f"{n.join([rows[v]['equal_batch_tok_s'] for v in names], '.0f')} tok/s at batch "
+               f"{rates('equal_batch_tok_s')} tok/s at batch "
                f"{n(min(rows[v]['batch'] for v in names), 'd')} for all"
                if "equal_batch_tok_s" in rows[names[0]] else "")
-            + (" (one attention implementation for all, medians of passes in turn); "
+            + (" (one attention implementation for all, medians of passes in turn, their ranges in parentheses: "
+               "overlapping ranges do not separate two variants); "
                if "decode_span" in rows[names[0]] else "; ")
             + f"params matched ({n.span([rows[v]['params_m'] for v in names], '.3f')} M); val loss minus MHA's over "
             f"seeds {n.span(d['quality']['seeds'], 'd')} ({n(d['quality']['confidence'], '.0%')} interval), after "

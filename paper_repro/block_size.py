@@ -6,8 +6,9 @@ too small a block underuses the GPU when reading the cache; 16 is its default. T
 trade-off, measured separately:
 
 1. Memory (simulator, OPT-13B / A100-40GB as in `memory_waste`): the paged pool at each block size on
-   ShareGPT (2 req/s) and Alpaca (30 req/s), the rates of the paper's Figure 13; token-state share,
-   internal fragmentation, mean batch and mean normalized latency (s per output token). Also the
+   ShareGPT (2 req/s, the rate of the paper's Figure 13) and Alpaca (60 req/s, where our simulated vLLM
+   is just memory bound); token-state share, internal fragmentation, mean batch, preemptions and mean
+   normalized latency (s per output token). Also the
    prefix-cache hit rate of the two `radix_hit_rate` workloads at scale, which a match's page
    alignment lowers as blocks grow. The cost model has no per-block term: small blocks cost nothing here.
 2. Compute (real engine on CPU, tiny-gqa preset, xla attention): throughput of one small batch at
@@ -274,8 +275,9 @@ above is seed {args.seeds[0]}'s): one trace's best block size is partly its own 
 {bests} (paper: 16-128 and 16-32). Block size 16's mean is {at16} above the lowest; the mean is more
 than 10% above the lowest from block size {worse_from}. In the simulator a block costs nothing to read,
 so large blocks can only lose: a request's last block is on average half empty, which matters in
-proportion to its length (Alpaca's ~78 tokens against ShareGPT's ~500), fewer requests fit, and queues
-form. The paper's penalty for small blocks is a GPU-kernel effect the cost model leaves out.
+proportion to its length (Alpaca's ~78 tokens against ShareGPT's ~500), and the pool fills sooner. On
+Alpaca fewer requests fit (a smaller mean batch) and queues form; on ShareGPT the mean batch barely
+moves up to block size 128 while preemptions (recomputed prompts) rise, and so does latency. The paper's penalty for small blocks is a GPU-kernel effect the cost model leaves out.
 
 Prefix-cache hit rate at block size (first admissions, pool of {HIT_POOL} tokens so nothing is evicted;
 the workloads of `radix_hit_rate.md`): a match is whole pages and leaves the prompt's last token to

@@ -270,7 +270,7 @@ def main() -> None:
                    "| --- |" + " ---: |" * len(WIDTHS),
                    "| real engine (prefix-cache sharing of full pages) | "
                    + " | ".join(f"{100 * v:.1f}%" for v in engine["engine"]) + " |",
-                   "| simulator, same lengths (copy-on-write) | "
+                   "| simulator, same lengths | "
                    + " | ".join(f"{100 * v:.1f}%" for v in engine["sim"]) + " |"]
     gap = max(abs(a - b) for a, b in zip(engine["engine"], engine["sim"]))
     body = "\n".join([
@@ -297,10 +297,12 @@ def main() -> None:
         *engine_rows, "",
         f"The engine's saving is within {100 * gap:.2f} points of the simulator's count for the same lengths "
         f"at every width ({relation(engine['engine'], engine['sim'])}). The two count in two different ways, "
-        "whose parts in the gap were not measured apart: the simulator's samples also share the prompt's partly "
-        "filled last block until their first write (copy-on-write), which the engine recomputes per sample (this "
-        "alone would make the simulator's saving the larger); and the engine's other samples start one step "
-        "after the first (they wait for its prompt's pages), which the simulator does not model.",
+        "whose parts in the gap were not measured apart: after its k-th step the engine holds a sample's prompt "
+        "and k - 1 output tokens (the newest token's KV is written by the next step), where the simulator counts "
+        "k; a sample that finishes is freed before the engine's count; and the engine's other samples start one "
+        "step after the first (they wait for its prompt's pages). The simulator's samples copy the prompt's "
+        "partly filled last block at their first token, before its first count, so sharing that block plays no "
+        "part in either count.",
     ])
     print(body)
     write_results(out, "sharing", body, {

@@ -52,16 +52,27 @@ def test_kv_formula_matches_config_and_capacity_scales():
     assert np.isfinite(attention_variants.windows(np.arange(1000), np.random.default_rng(0), 2, 8)).all()
 
 
+def test_decode_rates_are_told_apart_only_where_their_ranges_do_not_overlap():
+    rates = {"MHA": [1113, 1948], "GQA": [1710, 2743], "MQA": [3000, 3900], "MLA": [1900, 3100]}
+    # MQA's lowest pass is above MHA's and GQA's highest; MLA's range overlaps MQA's, MHA's and GQA's
+    assert attention_variants.separated(rates) == "MQA > MHA, MQA > GQA (4 of 6 pairs overlap)"
+    assert attention_variants.separated({"A": [1, 2], "B": [2, 3]}) == "no pair apart (1 of 1 pairs overlap)"
+
+
 @pytest.mark.parametrize("gpu", [False, True])
 def test_synergy_ladder_adds_one_optimization_per_rung(gpu):
     from dataclasses import asdict
 
-    ladder = list(synergy.rungs(slots=4, paged_batch=12, chunk=256, kv_bytes=1 << 26, gpu=gpu).values())
+    ladder = list(synergy.rungs(slots=4, paged_batch=12, chunk=256, kv_tokens=2256, gpu=gpu).values())
     changed = [{k for k, v in asdict(cur).items() if asdict(prev)[k] != v} for prev, cur in zip(ladder, ladder[1:])]
     expected = [{"batch_size", "max_num_seqs"}, {"scheduling_policy", "batch_size"},  # continuous reads no batch
                 {"enable_chunked_prefill", "max_num_batched_tokens"}, {"enable_prefix_caching"}]
-    assert changed == expected + ([{"attention_backend"}] if gpu else [{"attention_backend"}, {"dtype"}])
+    # bfloat16 halves a token's KV bytes: its byte budget halves so the pool keeps the same tokens
+    assert changed == expected + ([{"attention_backend"}] if gpu else
+                                  [{"attention_backend"}, {"dtype", "kv_cache_memory_bytes"}])
     assert ladder[0].attention_backend == "xla" and ladder[0].scheduling_policy == "static"
+    for rung in ladder:  # SmolLM2-135M: K and V of 3 KV heads x 64 in each of 30 layers
+        assert rung.kv_cache_memory_bytes == 2256 * 2 * 3 * 64 * 30 * (2 if rung.dtype == "bfloat16" else 4)
 
 
 def test_paired_interval_is_the_t_interval_of_the_per_seed_differences():
