@@ -277,7 +277,8 @@ than 10% above the lowest from block size {worse_from}. In the simulator a block
 so large blocks can only lose: a request's last block is on average half empty, which matters in
 proportion to its length (Alpaca's ~78 tokens against ShareGPT's ~500), and the pool fills sooner. On
 Alpaca fewer requests fit (a smaller mean batch) and queues form; on ShareGPT the mean batch barely
-moves up to block size 128 while preemptions (recomputed prompts) rise, and so does latency. The paper's penalty for small blocks is a GPU-kernel effect the cost model leaves out.
+moves up to block size 128 while preemptions (recomputed prompts) rise, and so does latency. The paper's
+penalty for small blocks is a GPU-kernel effect the cost model leaves out.
 
 Prefix-cache hit rate at block size (first admissions, pool of {HIT_POOL} tokens so nothing is evicted;
 the workloads of `radix_hit_rate.md`): a match is whole pages and leaves the prompt's last token to
