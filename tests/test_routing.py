@@ -152,6 +152,14 @@ def test_cache_threshold_is_a_strict_lower_bound_on_the_match_rate(tenant):
     assert zero.select("y" * 100, loads, tenant).reason == "cache_miss"  # the tenant's prefix alone: no match
 
 
+@pytest.mark.parametrize("setting", [dict(cache_threshold=1.5), dict(balance_abs_threshold=-1),
+                                     dict(balance_rel_threshold=0.0), dict(balance_rel_threshold=float("nan")),
+                                     dict(max_tree_chars=0)])
+def test_cache_aware_refuses_a_bad_setting_when_built_not_at_its_first_request(setting):
+    with pytest.raises(ValueError, match=next(iter(setting))):
+        CacheAware(**setting)
+
+
 def test_unrelated_texts_of_one_tenant_spread_like_untenanted_ones():
     policy = CacheAware()
     loads = {"w0": 0, "w1": 0}

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import itertools
+import math
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
@@ -284,6 +285,12 @@ class CacheAware(RoutingPolicy):
                  max_tree_chars: int = DEFAULT_MAX_TREE_CHARS):
         if not 0.0 <= cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        if not balance_abs_threshold >= 0:
+            raise ValueError(f"balance_abs_threshold must be at least 0, got {balance_abs_threshold}")
+        if not 0.0 < balance_rel_threshold < math.inf:
+            raise ValueError(f"balance_rel_threshold must be a positive number, got {balance_rel_threshold}")
+        if not max_tree_chars >= 1:
+            raise ValueError(f"max_tree_chars must be at least 1, got {max_tree_chars}")
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
