@@ -340,6 +340,9 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise RequestError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}",
                                "logit_bias")
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:  # no token could ever match it
+            raise RequestError(f"stop_token_ids must be in [0, {vocab}), got {max(params.stop_token_ids)}",
+                               "stop_token_ids")
         batch_size = self.config.batch_size
         if batch_size is not None and params.n > batch_size:
             raise RequestError(f"n ({params.n}) is more than the batch size ({batch_size}): a static or dynamic "

@@ -566,6 +566,7 @@ STRICT_ERRORS = [
     ({"n": 1000}, "n"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [5, 10**6]}, "stop_token_ids"),  # past the vocabulary: no token could match it
     ({"cache_salt": ""}, "cache_salt"),
     ({"cache_salt": "t" * (MAX_NAMESPACE_CHARS + 1)}, "cache_salt"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -659,6 +660,7 @@ CHAT_STRICT_ERRORS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0.type"),  # only text parts
     ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages.0.content"),  # no part: no text
 ]
 
 
@@ -667,6 +669,13 @@ def test_chat_strict_values(client, fields, param):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **fields}
     _assert_error(client.post("/v1/chat/completions", json=body), 400, param)
     _good_request(client)
+
+
+def test_errors_name_max_completion_tokens_when_the_client_sent_it(client):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 3,
+            "min_tokens": 5}
+    r = client.post("/v1/chat/completions", json=body)
+    _assert_error(r, 400, "min_tokens", "min_tokens (5) must be <= max_completion_tokens (3)")
 
 
 def test_developer_role_and_names_reach_the_template(client):
@@ -745,6 +754,8 @@ def test_tokens_without_text_stream_a_chunk_each(app, client, path, monkeypatch)
     texts = [c["choices"][0]["text"] if path == "/v1/completions" else c["choices"][0]["delta"].get("content")
              for c in chunks]
     assert len(chunks) == 5 and not any(texts), texts
+    if path != "/v1/completions":  # a string until the last chunk, which carries only its finish reason
+        assert [c["choices"][0]["delta"] for c in chunks] == [{"content": ""}] * 4 + [{}]
     assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4, 5]
     assert events[-1]["usage"]["completion_tokens"] == 5
 

@@ -349,7 +349,10 @@ class OpenAIServer:
                 if body.continuous_usage:
                     generated[c.index] += len(c.token_ids)
                     usage = _choice_usage(out, generated[c.index])
-                yield chunk(c.index, p.DeltaMessage(content=c.text or None), usage,
+                # tokens without text yet: "content": "" (as vLLM), so a client reading the content gets a
+                # string; a last chunk with no text carries only its finish reason (as OpenAI)
+                content = c.text or (None if c.finish_reason else "")
+                yield chunk(c.index, p.DeltaMessage(content=content), usage,
                             logprobs=self._chat_logprobs(params, c.token_ids, c.logprobs or []),
                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             if out.finished and body.include_usage:

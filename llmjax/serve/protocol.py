@@ -215,11 +215,11 @@ class TextPart(StrictRequest):
 
 
 class ChatContent(StrictRequest):
-    """A chat message's content: a string or a list of OpenAI content parts, text parts only (an
-    image or other part is refused). The server's `ChatMessage` and the offline `LLM.chat` check
-    content with this one model."""
+    """A chat message's content: a string or a non-empty list of OpenAI content parts, text parts only
+    (an image or other part is refused, as is an empty list, as OpenAI does). The server's `ChatMessage`
+    and the offline `LLM.chat` check content with this one model."""
 
-    content: Text | list[TextPart]
+    content: Text | Annotated[list[TextPart], Field(min_length=1)]
 
     def text(self) -> str:
         """The content as the chat template sees it: text parts joined by newlines (as vLLM does)."""
@@ -254,17 +254,19 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs", "top_logprobs needs logprobs: true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        if self.max_completion_tokens is None:
-            max_tokens, sent = self.max_tokens, {"logprobs": "top_logprobs"}
-        else:
-            max_tokens, sent = self.max_completion_tokens, {"logprobs": "top_logprobs",
-                                                            "max_tokens": "max_completion_tokens"}
+        max_tokens = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
         try:
             return self._sampling_params(max_tokens, logprobs)
-        except SamplingParamsError as exc:  # report the field the client sent
-            if exc.param not in sent:
+        except SamplingParamsError as exc:  # report the fields the client sent
+            param, message = exc.param, str(exc)
+            if param == "logprobs":
+                param, message = "top_logprobs", message.replace("logprobs", "top_logprobs")
+            if self.max_completion_tokens is not None:  # also in another field's message (min_tokens)
+                param = "max_completion_tokens" if param == "max_tokens" else param
+                message = message.replace("max_tokens", "max_completion_tokens")
+            if (param, message) == (exc.param, str(exc)):
                 raise
-            raise SamplingParamsError(sent[exc.param], str(exc).replace(exc.param, sent[exc.param])) from exc
+            raise SamplingParamsError(param, message) from exc
 
 
 class TokenizeRequest(StrictRequest):
