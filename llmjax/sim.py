@@ -9,7 +9,7 @@ no device: a GPU-sized pool and thousands of requests run in seconds, so allocat
 effects can be measured at the scale of the papers.
 
 The KV object may be a `KVCacheManager` or anything that duck-types the methods the scheduler
-calls (`allocate`, `grow`, `free`, `has_request`, `cache_blocks`, `peek_prefix_len`), such as
+calls (`allocate`, `grow`, `grow_each`, `free`, `has_request`, `cache_blocks`, `peek_prefix_len`), such as
 `llmjax.kv.contiguous.ContiguousKVCache`. Observers are called once per step with
 `(simulator, scheduler_output, step_seconds)`, when the clock has reached the step's end but before the
 scheduler's update: the KV state is the one the step computed over (the requests it finishes are not
@@ -127,6 +127,26 @@ class SimResult:
 Observer = Callable[["Simulator", SchedulerOutput, float], None]
 
 
+
+def _check_no_cycle(trace: Sequence[TraceRequest]) -> None:
+    """ValueError if some requests of `trace` wait for each other in a cycle (`after`): none of them
+    could ever arrive. Each `after` names another request of the trace (checked before)."""
+    after = {t.request_id: t.after for t in trace}
+    done: set[str] = set()  # requests whose chain of predecessors ends
+    for start in after:
+        path: list[str] = []
+        on_path: set[str] = set()
+        node = start
+        while node is not None and node not in done:
+            if node in on_path:
+                raise ValueError(f"requests wait for each other in a cycle: {' -> '.join(path[path.index(node):])} "
+                                 f"-> {node}")
+            path.append(node)
+            on_path.add(node)
+            node = after[node]
+        done.update(path)
+
+
 class Simulator:
     """Replays a trace through a real `Scheduler` over `kv`; see the module docstring.
 
@@ -149,9 +169,11 @@ class Simulator:
     def run(self, trace: Sequence[TraceRequest], until: float | None = None, progress: str | None = None) -> SimResult:
         """Serve `trace` until every request finishes (or the clock passes `until`).
 
-        ValueError, before anything runs, for a request id given twice, a request longer than
+        ValueError, before anything runs, for a request id given twice, an empty prompt, an output
+        length below 1, an arrival time that is not a finite number, a request longer than
         `max_model_len` or than a paged KV pool can ever hold (another KV cache refuses its own when
-        it is first scheduled); RuntimeError when nothing can be scheduled and nothing will arrive.
+        it is first scheduled), or requests that wait for each other in a cycle (`after`);
+        RuntimeError when nothing can be scheduled and nothing will arrive.
         With `until`, the clock stops there (a step under way at `until` still ends).
         """
         ids = {t.request_id for t in trace}
@@ -159,7 +181,12 @@ class Simulator:
             raise ValueError(f"{len(trace) - len(ids)} request ids of the trace are given twice")
         pool_blocks = self.kv.block_pool.num_usable if isinstance(self.kv, KVCacheManager) else None
         for t in trace:
-            if len(t.prompt) + t.output_len > self.config.max_model_len or t.output_len < 1 or not t.prompt:
+            if not t.prompt or t.output_len < 1:
+                raise ValueError(f"{t.request_id}: a request needs a prompt and an output of at least one token, "
+                                 f"got {len(t.prompt)} + {t.output_len} tokens")
+            if not np.isfinite(t.arrival):
+                raise ValueError(f"{t.request_id}: its arrival time must be a finite number, got {t.arrival}")
+            if len(t.prompt) + t.output_len > self.config.max_model_len:
                 raise ValueError(f"{t.request_id}: {len(t.prompt)} + {t.output_len} tokens do not fit "
                                  f"max_model_len {self.config.max_model_len}")
             if pool_blocks is not None and self.kv.num_blocks_for(len(t.prompt) + t.output_len) > pool_blocks:
@@ -171,6 +198,7 @@ class Simulator:
         for t in trace:
             if t.after is not None:
                 waiting_for.setdefault(t.after, []).append(t)
+        _check_no_cycle(trace)
         pending = [(t.arrival, i, t) for i, t in enumerate(trace) if t.after is None]  # a heap by arrival
         heapq.heapify(pending)
         order = itertools.count(len(trace))

@@ -35,7 +35,13 @@ ALPACA = LengthDist("Alpaca", 19.31, 58.45, sigma_prompt=1.0, sigma_output=0.8)
 def lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: float,
                       cap: int | np.ndarray) -> np.ndarray:
     """n integer lengths in [1, cap] (cap may vary per draw): round(exp(mu + sigma * z)), clipped, with mu
-    solved by bisection so that the lengths' sample mean is `mean` (to within the integer rounding)."""
+    solved by bisection so that the lengths' sample mean is `mean` (to within the integer rounding).
+    Where the caps put `mean` out of reach (above the caps' mean, or below 1), the lengths come as close
+    as they can: every one at its cap, or every one 1. ValueError for a cap below 1 (no length fits)."""
+    if np.any(np.asarray(cap) < 1):
+        raise ValueError(f"a length's cap must be at least 1, got {np.min(cap)}")
+    if n == 0:
+        return np.zeros(0, np.int64)
     z = rng.standard_normal(n)
 
     def draw(mu: float) -> np.ndarray:

@@ -35,10 +35,10 @@ def length_trace(dist: LengthDist, n: int, rate: float, seed: int, vocab: int, m
                  max_prompt_len: int = 1024, name: str | None = None) -> list[TraceRequest]:
     """n requests with `dist`'s lengths clipped to prompt <= max_prompt_len and prompt + output <=
     max_model_len (the limits of vLLM's ShareGPT benchmark filter, which drops a longer request where
-    this clips it) arriving at `rate` per second (rate <= 0: all at t=0). Request ids
-    are `name` + index (default name: "<dist.name>-")."""
+    this clips it; a prompt also leaves room for one output token) arriving at `rate` per second
+    (rate <= 0: all at t=0). Request ids are `name` + index (default name: "<dist.name>-")."""
     rng = np.random.default_rng(seed)
-    prompt_lens = lognormal_lengths(rng, n, dist.mean_prompt, dist.sigma_prompt, max_prompt_len)
+    prompt_lens = lognormal_lengths(rng, n, dist.mean_prompt, dist.sigma_prompt, min(max_prompt_len, max_model_len - 1))
     output_lens = lognormal_lengths(rng, n, dist.mean_output, dist.sigma_output, max_model_len - prompt_lens)
     arrivals = poisson_arrivals(rng, n, rate) if rate > 0 else np.zeros(n)
     prefix = f"{dist.name}-" if name is None else name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -161,6 +162,23 @@ def test_run_until_stops_early_and_rejects_oversized_requests() -> None:
         Simulator(CONFIG, small, UNIT).run([gap[0], replace(gap[1], request_id="a")])
     with pytest.raises(ValueError, match="need more than the KV pool's 6 blocks"):
         Simulator(CONFIG, small, UNIT).run([TraceRequest("big", 0.0, [1] * 20, 8)])
+
+
+@pytest.mark.parametrize("trace,message", [
+    ([TraceRequest("a", 0.0, [1] * 5, 0)], "an output of at least one token"),
+    ([TraceRequest("a", 0.0, [], 3)], "a request needs a prompt"),
+    ([TraceRequest("a", float("nan"), [1] * 5, 3)], "arrival time must be a finite number"),
+    ([TraceRequest("a", float("inf"), [1] * 5, 3)], "arrival time must be a finite number"),
+    ([TraceRequest("a", 0.0, [1] * 5, 3), TraceRequest("b", 0.0, [1] * 5, 3, after="c"),
+      TraceRequest("c", 0.0, [1] * 5, 3, after="d"), TraceRequest("d", 0.0, [1] * 5, 3, after="b")],
+     "in a cycle: b -> c -> d -> b"),
+])
+def test_a_trace_no_run_could_serve_is_refused_before_anything_runs(trace, message) -> None:
+    kv = KVCacheManager(num_blocks=24, block_size=4)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Simulator(CONFIG, kv, UNIT).run(trace)
+    kv.check_invariants()
+    assert kv.block_pool.num_free == kv.block_pool.num_usable  # nothing was allocated
 
 
 @pytest.mark.parametrize("arrival", [0.25, 0.5, 0.7])
