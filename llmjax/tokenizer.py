@@ -280,7 +280,8 @@ class IncrementalDetokenizer:
       U+FFFD for it, as `decode` of the output does);
     - another HF tokenizer backed by `tokenizers` (every fast tokenizer): its `DecodeStream` (Rust,
       about a microsecond a token), primed with the prompt's last ids so leading spaces and byte
-      fallback see their context; should it refuse a sequence, the request goes on windowed;
+      fallback see their context (less the ids of a character the prompt leaves incomplete, whose
+      U+FFFD would otherwise open the output); should it refuse a sequence, the request goes on windowed;
     - windowed (any other HF tokenizer): decode a short window of recent ids twice (without and with
       the new id) and emit the difference, holding back a delta that ends in U+FFFD (an incomplete
       UTF-8 sequence) until the next token completes it;
@@ -300,10 +301,16 @@ class IncrementalDetokenizer:
         table = tokenizer.byte_table(skip_special_tokens) if isinstance(tokenizer, Tokenizer) else None
         if isinstance(tokenizer, CharTokenizer):
             self.add = tokenizer.token_to_text
-        elif table is not None:
+            return
+        if table is not None:
             self._table, self._utf8 = table, codecs.getincrementaldecoder("utf-8")("replace").decode
             self.add = self._add_bytes
-        elif isinstance(backend, tokenizers.Tokenizer) and DecodeStream is not None:
+            return
+        # a context ending in part of a character would put that character (as U+FFFD) in the output
+        while self.ids and tokenizer.decode(self.ids, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            self.ids.pop()
+        self.read_offset = len(self.ids)
+        if isinstance(backend, tokenizers.Tokenizer) and DecodeStream is not None:
             self._backend = backend
             self._step = DecodeStream(skip_special_tokens=skip_special_tokens).step
             try:

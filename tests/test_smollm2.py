@@ -238,6 +238,25 @@ def test_detokenizer_strategies_give_the_same_text_and_the_stream_falls_back(our
                 assert detokenizer.finish() == ""
 
 
+def test_a_prompt_ending_in_part_of_a_character_puts_none_of_it_in_the_output(ours, monkeypatch):
+    """Every strategy's text is the decode of the output's ids alone when the prompt's last ids are
+    the first bytes of a character (a token-id prompt can end anywhere)."""
+    _, tokenizer = ours
+    emoji = tokenizer.encode("😀", add_special_tokens=False)
+    assert len(emoji) > 1, "the emoji should span tokens"
+    prompt_ids = tokenizer.encode("Hi ", add_special_tokens=False) + emoji[:-1]
+    ids = tokenizer.encode(" Hello there", add_special_tokens=False)
+    for skip in (True, False):
+        expected = tokenizer.decode(ids, skip)
+        by_bytes = IncrementalDetokenizer(tokenizer, prompt_ids, skip)
+        streamed = _without_byte_table(tokenizer, monkeypatch, prompt_ids, skip)
+        windowed = _without_byte_table(tokenizer, monkeypatch, prompt_ids, skip)
+        windowed.add = windowed._add_windowed
+        assert streamed.add == streamed._add_streamed
+        for detokenizer in (by_bytes, streamed, windowed):
+            assert "".join(map(detokenizer.add, ids)) + detokenizer.finish() == expected
+
+
 def test_byte_table_text_is_the_tokenizers_decode_on_random_ids(ours):
     """Random ids after a prompt (special tokens, characters split across tokens, invalid UTF-8) give
     the byte-table strategy the text the tokenizer decodes: while the output grows, less the U+FFFD of
