@@ -660,7 +660,6 @@ CHAT_STRICT_ERRORS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0.type"),  # only text parts
     ({"add_generation_prompt": "no"}, "add_generation_prompt"),
-    ({"messages": [{"role": "user", "content": []}]}, "messages.0.content"),  # no part: no text
 ]
 
 

@@ -215,11 +215,11 @@ class TextPart(StrictRequest):
 
 
 class ChatContent(StrictRequest):
-    """A chat message's content: a string or a non-empty list of OpenAI content parts, text parts only
-    (an image or other part is refused, as is an empty list, as OpenAI does). The server's `ChatMessage`
-    and the offline `LLM.chat` check content with this one model."""
+    """A chat message's content: a string or a list of OpenAI content parts, text parts only (an
+    image or other part is refused; an empty list is empty text, as in vLLM). The server's
+    `ChatMessage` and the offline `LLM.chat` check content with this one model."""
 
-    content: Text | Annotated[list[TextPart], Field(min_length=1)]
+    content: Text | list[TextPart]
 
     def text(self) -> str:
         """The content as the chat template sees it: text parts joined by newlines (as vLLM does)."""
