@@ -34,7 +34,7 @@ from common import (add_stream_args, alternating, change, cpu_seconds, free_port
                     medians_by, plot_bars, results_dir, server_process, stream_server_args,
                     table, write_report)
 
-from llmjax.bench import RequestResult, stream_completion, stream_session
+from llmjax.bench import RequestResult, error_text, stream_completion, stream_session
 from llmjax.cli_types import parse_quick
 
 CLIENTS = ("httpx", "aiohttp")
@@ -56,7 +56,7 @@ async def httpx_stream(client: httpx.AsyncClient, payload: dict) -> RequestResul
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    result.error = str(chunk["error"])
+                    result.error = error_text(chunk["error"])
                     return result
                 result.add_event(chunk, start)
     except Exception as exc:  # a broken stream or a malformed event: this request only
@@ -97,7 +97,7 @@ def run_one(kind: str, url: str, server_pid: int, payloads: list[dict], concurre
     if failed:
         raise SystemExit(f"{kind}: {len(failed)} requests failed: {sorted(set(failed))[:5]}")
     tokens = sum(r.output_tokens for r in results)
-    events = sum(len(r.itl) + 1 for r in results)  # the first event is timed as the TTFT, the others in `itl`
+    events = sum(r.events for r in results)  # every JSON event, the usage chunk included ([DONE] is not parsed)
     return {"client": kind, "tok_s": tokens / (wall1 - wall0), "events": events,
             "client_us_per_event": 1e6 * (client1 - client0) / events,
             "server_us_per_token": 1e6 * (server1 - server0) / tokens}

@@ -27,7 +27,7 @@ first request sent to the last one finished), streamed chunks (SSE events) per r
 its tokens with `--stream-interval` above 1), and goodput (requests per second meeting every
 `--goodput` SLO, e.g. `--goodput ttft:500 tpot:50`). Token counts are the server's (its usage chunk;
 a stream without one fails), not the text re-tokenized. A request's end is the end of its stream
-(`data: [DONE]`, or the body's end); vLLM's client ends its latency at the last chunk with text, and
+(`data: [DONE]`, or the body's end); vLLM's client ends its latency at the last chunk with a choice, and
 llmjax's server sends the usage chunk and `[DONE]` right after that one, with no engine step between.
 A request fails alone (its error listed) when its stream breaks or is malformed, or when it takes
 more than `--request-timeout` seconds (vLLM's 6 h by default). Prints a table (and the distinct
@@ -104,22 +104,26 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     text: str = ""
     last_event: float | None = None  # when the last chunk with a choice arrived
+    events: int = 0  # the stream's JSON events (`add_event` calls), the usage chunk included
 
     usage_seen: bool = False
 
     def add_event(self, chunk: dict, start: float) -> None:
         """Fold in one SSE event, a parsed completion chunk received now (`start`: when the request
-        was sent): the first choice's arrival is the TTFT, each later one an ITL; the usage chunk
-        gives the token counts.
+        was sent): the first chunk with a choice gives the TTFT, each later one an ITL (one per
+        chunk, as vLLM's client times them; the text is the first choice's, as the benchmark asks
+        for one); the usage chunk gives the token counts.
         Raises KeyError / TypeError for a chunk not shaped like a completion chunk."""
         now = time.perf_counter()
-        for choice in chunk.get("choices") or ():
+        self.events += 1
+        choices = chunk.get("choices")
+        if choices:
             if self.last_event is None:
                 self.ttft = now - start
             else:
                 self.itl.append(now - self.last_event)
             self.last_event = now
-            self.text += choice.get("text") or ""
+            self.text += choices[0].get("text") or ""
         if chunk.get("usage"):
             self.prompt_tokens = int(chunk["usage"]["prompt_tokens"])
             self.output_tokens = int(chunk["usage"]["completion_tokens"])
@@ -128,6 +132,13 @@ class RequestResult:
     @property
     def tpot(self) -> float:
         return (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+
+def error_text(error) -> str:
+    """What a stream's error event says: its `message`, else the whole error as JSON."""
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])
+    return json.dumps(error)
 
 
 async def stream_completion(session: aiohttp.ClientSession, payload: dict) -> RequestResult:
@@ -149,8 +160,7 @@ async def stream_completion(session: aiohttp.ClientSession, payload: dict) -> Re
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    result.error = str(chunk["error"].get("message") if isinstance(chunk["error"], dict)
-                                       else chunk["error"])
+                    result.error = error_text(chunk["error"])
                     return result
                 result.add_event(chunk, start)
     except aiohttp.ClientError as exc:

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from llmjax import bench as bench_module
-from llmjax.bench import add_bench_args, run_bench, run_jobs
+from llmjax.bench import RequestResult, add_bench_args, error_text, run_bench, run_jobs
 from llmjax.cli import main
 from llmjax.serve.api import build_app
 from llmjax.serve.metrics import parse_metrics
@@ -210,6 +210,20 @@ def test_a_malformed_stream_fails_that_request_alone():
     assert summary["total_output_tokens"] == 6
     assert sorted(e.split(" (")[0].split(":")[0] for e in summary["errors"]) == [
         "LineTooLong", "malformed stream event", "malformed stream event", "no usage in the stream"]
+
+
+def test_a_chunk_is_one_event_of_its_first_choice_and_an_error_event_says_what_it_holds():
+    """vLLM's client times one gap per chunk and reads its first choice: a chunk of two choices is
+    one event (no zero gap), its text the first choice's. An error event without a message is shown
+    whole, not as "None"."""
+    result = RequestResult()
+    result.add_event({"choices": [{"index": 0, "text": "a"}]}, 0.0)
+    result.add_event({"choices": [{"index": 0, "text": "b"}, {"index": 1, "text": "c"}]}, 0.0)
+    result.add_event({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}}, 0.0)
+    assert (len(result.itl), result.text, result.events, result.output_tokens) == (1, "ab", 3, 2)
+    assert error_text({"message": "bad"}) == "bad"
+    assert error_text({"code": 500, "type": "internal"}) == '{"code": 500, "type": "internal"}'
+    assert error_text("plain") == '"plain"'
 
 
 def test_a_request_past_its_timeout_fails_alone():
