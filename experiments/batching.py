@@ -103,7 +103,7 @@ def overloaded(capacity_rows: list[dict], offered: float) -> str:
             f"measures the backlog): {', '.join(names)}." + note)
 
 
-CPU_TOLERANCE = 0.10  # a CPU Poisson run is one run on a shared machine: closer than this is "about unchanged"
+CPU_TOLERANCE = 0.10  # at least: a CPU Poisson run is one run on a shared machine
 
 
 def by_round(passes: dict[str, list]) -> dict[str, list[float]]:
@@ -203,13 +203,17 @@ def main() -> None:
     same_schedule = (f"; static and dynamic run the same {static['steps']}-step schedule at capacity, so their "
                      f"{abs(np.median(rounds['dynamic']) - 1):.0%} median gap is this CPU's run-to-run noise"
                      if static["steps"] == dynamic["steps"] else "")
+    # a Poisson run is one run per policy: a change within the noise the capacity rounds measured (the
+    # largest gap between static's and dynamic's identical schedules in one round) is no change
+    noise = max(abs(r - 1) for r in rounds["dynamic"]) if static["steps"] == dynamic["steps"] else 0.0
+    tolerance = max(CPU_TOLERANCE, noise)
     out.mkdir(parents=True, exist_ok=True)
     plot(cpu, sim, out / "batching.png")
     sim_ttft = change("p50 TTFT", sim_rows[0]["ttft_p50_ms"] / 1e3, sim_rows[2]["ttft_p50_ms"] / 1e3, "s", 2)
     sim_itl = change("the simulated p99 ITL", sim_rows[2]["itl_p99_ms"], sim_rows[3]["itl_p99_ms"], "ms")
     cpu_itl = change("the CPU engine's p99 ITL", cpu_rows[2]["itl_p99_ms"], cpu_rows[3]["itl_p99_ms"], "ms", 1,
-                     CPU_TOLERANCE)
-    cpu_ttft = change("p50 TTFT", cpu_rows[0]["ttft_p50_ms"], cpu_rows[2]["ttft_p50_ms"], "ms", 0, CPU_TOLERANCE)
+                     tolerance)
+    cpu_ttft = change("p50 TTFT", cpu_rows[0]["ttft_p50_ms"], cpu_rows[2]["ttft_p50_ms"], "ms", 0, tolerance)
     continuous = rounds["continuous"]
     cpu_speedup = (f"{np.median(continuous):.2f}x static batching's tokens/s on the CPU engine (the median of "
                    f"{len(continuous)} rounds' ratios, {min(continuous):.2f}-{max(continuous):.2f}x"
@@ -227,7 +231,10 @@ def main() -> None:
             "and range of the policy's tokens/s over static's in the same round; the ms-per-step column shows "
             "what a fuller step costs on this tiny model, which has few weights to amortize over the batch. "
             "Under Poisson arrivals each policy runs once, so the CPU verdicts below call a change within "
-            f"{CPU_TOLERANCE:.0%} unchanged. Compile stalls removed from the clock: {compiles} steps.",
+            f"{tolerance:.0%} unchanged (" + ("the largest gap between static's and dynamic's identical schedules "
+                                               "in one round at capacity" if noise > CPU_TOLERANCE else
+                                               "a floor for one run") +
+            f"). Compile stalls removed from the clock: {compiles} steps.",
             cpu_cap_rows, cpu_rows, cpu_offered),
         *world_section(
             f"Simulated: ShareGPT-like trace, {args.sim_requests} requests, {args.sim_slots} slots, OPT-13B on an "

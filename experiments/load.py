@@ -65,6 +65,7 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz "
 REPLICAS = 2
 HEALTH_INTERVAL_S = 0.05
 HEALTH_P99_LIMIT_MS = 50.0
+HEALTH_TIMEOUT_S = 2.0  # a probe without an answer by then has none
 
 
 def start_cluster(model: str, port: int, base_port: int, server_args: list[str], log_file) -> subprocess.Popen:
@@ -99,7 +100,7 @@ def probe_health(urls: list[str], start: float, stop, conn) -> None:
     replica index, latency in seconds or None when there was no answer, status code or the
     error's name) through `conn`."""
     samples = []
-    with httpx.Client(timeout=2.0) as client:
+    with httpx.Client(timeout=HEALTH_TIMEOUT_S) as client:
         while not stop.is_set():
             for i, url in enumerate(urls):
                 t0 = time.monotonic()
@@ -307,11 +308,26 @@ def wait_idle(urls: list[str], timeout: float = 60) -> list[dict]:
         time.sleep(0.2)
 
 
-def health_summary(samples: list[tuple]) -> dict:
+def is_timeout(error_name: str) -> bool:
+    """Whether a probe's error (its httpx class name) is a timeout: a replica that holds the
+    connection and does not answer, as against one that is gone."""
+    error = getattr(httpx, error_name, None)
+    return isinstance(error, type) and issubclass(error, httpx.TimeoutException)
+
+
+def health_summary(samples: list[tuple], kill_at: float | None) -> dict:
+    """The probes' latencies (answered ones) and the unanswered ones: `unreachable`, a replica gone
+    (the connection refused or cut) by a probe that may have run into the kill (it ended after it),
+    the killed replica down or restarting; `stalled`, a probe that timed out, or found a replica gone
+    before any kill: a failure of a live replica."""
     answered = [lat for _, _, lat, _ in samples if lat is not None]
+    unanswered = [(t, i, status) for t, i, lat, status in samples if lat is None]
+    stalled = [(t, i, status) for t, i, status in unanswered
+               if is_timeout(status) or kill_at is None or t + HEALTH_TIMEOUT_S < kill_at]
     p = percentiles(answered)
-    return {"probes": len(samples), "answered": len(answered), "unreachable": len(samples) - len(answered),
-            "no_answer": dict(Counter(status for _, _, lat, status in samples if lat is None)),
+    return {"probes": len(samples), "answered": len(answered), "unreachable": len(unanswered) - len(stalled),
+            "stalled": len(stalled), "no_answer": dict(Counter(status for _, _, status in unanswered)),
+            "no_answer_by_replica": dict(Counter(i for _, i, _ in unanswered)),
             "non_200": sum(1 for _, _, lat, status in samples if lat is not None and status != 200),
             "p50_ms": p["p50"], "p99_ms": p["p99"], "max_ms": max(answered) * 1e3 if answered else 0.0}
 
@@ -340,7 +356,7 @@ def plot(samples: list[tuple], kill_at: float | None, path: Path) -> None:
 def report(args, stats: dict, states: list[dict], health: dict, restarted: bool, elapsed: float) -> tuple[str, bool]:
     ttft, e2e = percentiles(stats["ttft"]), percentiles(stats["e2e"])
     leaked = any(s["running"] or s["waiting"] or s["kv_usage"] or s["kv_invariants"] != 200 for s in states)
-    health_ok = health["p99_ms"] < HEALTH_P99_LIMIT_MS and health["non_200"] == 0
+    health_ok = health["p99_ms"] < HEALTH_P99_LIMIT_MS and health["non_200"] == 0 and health["stalled"] == 0
     ok = not stats["failures"] and not stats["bad_errors"] and not leaked and health_ok and restarted
     total = sum(stats["requests"].values())
     lines = [
@@ -364,7 +380,9 @@ def report(args, stats: dict, states: list[dict], health: dict, restarted: bool,
         f"- `/health` of both replicas every {HEALTH_INTERVAL_S * 1e3:.0f} ms from a separate process: "
         f"{health['answered']} answered, p50 {health['p50_ms']:.1f} ms, p99 {health['p99_ms']:.1f} ms, max "
         f"{health['max_ms']:.1f} ms, {health['non_200']} not 200 (limit: p99 < {HEALTH_P99_LIMIT_MS:g} ms); "
-        f"{health['unreachable']} probes found a replica down (killed, restarting)", "",
+        f"{health['unreachable']} probes found a replica gone after the kill (killed, restarting), "
+        f"{health['stalled']} timed out or found one gone before it (limit: 0); unanswered by replica: "
+        + ", ".join(f"{i}: {n}" for i, n in sorted(health["no_answer_by_replica"].items())), "",
         "| latency (ms) | mean | p50 | p90 | p99 |", "|---|---|---|---|---|",
         f"| TTFT (streamed completions) | {ttft['mean']:.1f} | {ttft['p50']:.1f} | {ttft['p90']:.1f} | {ttft['p99']:.1f} |",
         f"| end to end (valid requests) | {e2e['mean']:.1f} | {e2e['p50']:.1f} | {e2e['p90']:.1f} | {e2e['p99']:.1f} |",
@@ -435,7 +453,7 @@ def main() -> None:
             cluster.wait(60)
             log.seek(0)
             cluster_log = log.read()
-    health = health_summary(samples)
+    health = health_summary(samples, killed[0] if killed else None)
     text, ok = report(args, stats, states, health, restarted, elapsed)
     out = results_dir()
     plot(samples, killed[0] if killed else None, out / "load.png")
