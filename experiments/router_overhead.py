@@ -19,6 +19,7 @@ Writes results/router_overhead.md, .json and .png.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 
@@ -94,7 +95,10 @@ def main() -> None:
             "flight, through the router or straight to the replica, in alternating order; medians over "
             f"{args.rounds} round(s) (every run is in the JSON).\n\n{table(rows, columns)}\n\n"
             f"Through the router instead of direct: {'; '.join(findings)}; the router spends "
-            f"{routed['router_us_per_token']:.1f} µs of CPU per relayed token. A change within 5% counts as none.\n\n"
+            f"{routed['router_us_per_token']:.1f} µs of CPU per relayed token. A change within 5% counts as none. "
+            f"The router, the replica and this client share this machine's {os.cpu_count()} cores, so the router's "
+            "CPU is taken from the replica's: the throughput and latency costs include that, and a router with "
+            "cores of its own would cost less.\n\n"
             "![throughput, TPOT, router CPU](router_overhead.png)")
     write_report("router_overhead", "Router overhead on streams", body, {"args": vars(args), "runs": runs,
                                                                         "rows": rows}, out)
