@@ -196,7 +196,10 @@ def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     """Per row of `probs` `[S, V]` (non-negative, not necessarily normalised) and `u` `[S]` in
     [0, 1): the first index whose cumulative sum exceeds u times the row's sum, as int32, so index i
     is drawn with probability probs[i] / sum; never an index of probability 0 (rounding clamps to
-    the last positive one). Two stages: the chunk, from the chunks' sums, then the index within it."""
+    the last positive one); -1 for a row whose sum is not a positive number (NaN, from a temperature
+    beyond float32's range with a masked token; 0, with every token masked), so a row never draws
+    one of the padding indices past the vocabulary. Two stages: the chunk, from the chunks' sums,
+    then the index within it."""
     blocks = _chunks(probs, 0.0)
     sums = blocks.sum(axis=-1)  # [S, C]
     cum = jnp.cumsum(sums, axis=-1)
@@ -208,7 +211,8 @@ def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     within = jnp.take_along_axis(blocks, chunk[:, None, None], axis=1)[:, 0]  # [S, CHUNK]
     last = CHUNK - 1 - jnp.argmax((within > 0)[:, ::-1], axis=-1)
     index = jnp.minimum(jnp.sum(jnp.cumsum(within, axis=-1) <= (target - before)[:, None], axis=-1), last)
-    return (chunk * CHUNK + index).astype(jnp.int32)
+    drawable = cum[:, -1] > 0  # False for NaN too
+    return jnp.where(drawable, chunk * CHUNK + index, -1).astype(jnp.int32)
 
 
 def _row_key(hi: jax.Array, lo: jax.Array, sample_index: jax.Array, output_index: jax.Array) -> jax.Array:
@@ -219,7 +223,8 @@ def _row_key(hi: jax.Array, lo: jax.Array, sample_index: jax.Array, output_index
 def _random_sample(logits: jax.Array, s: SamplingInput) -> jax.Array:
     """Temperature rows: a draw from softmax(logits / temperature) restricted to what top-k, top-p
     and min-p keep (`keep_threshold`, skipped when no row filters), by `inverse_cdf` with one
-    uniform number from the row's key; greedy rows: the argmax."""
+    uniform number from the row's key; greedy rows, and a row with nothing to draw from (see
+    `inverse_cdf`): the argmax, an id of the vocabulary whatever the logits."""
     temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
     # less the row's largest (finite: `process_logits`), at most 0: a small temperature cannot make
     # them +inf, whose softmax is NaN
@@ -230,7 +235,8 @@ def _random_sample(logits: jax.Array, s: SamplingInput) -> jax.Array:
                          lambda: probs)
     keys = jax.vmap(_row_key)(s.seed_hi, s.seed_lo, s.sample_index, s.output_index)
     u = jax.vmap(lambda key: jax.random.uniform(key, ()))(keys)
-    return jnp.where(s.temperature > 0, inverse_cdf(probs, u), first_argmax(logits))
+    drawn = inverse_cdf(probs, u)
+    return jnp.where((s.temperature > 0) & (drawn >= 0), drawn, first_argmax(logits))
 
 
 def top_logprobs(logits: jax.Array, none: bool = False) -> tuple[jax.Array, jax.Array]:

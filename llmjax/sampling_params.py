@@ -25,6 +25,7 @@ MAX_PENALTY = 2.0  # presence / frequency in [-2, 2]
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 2.0 ** -126, (2 - 2.0 ** -23) * 2.0 ** 127
 MAX_LOGIT_BIAS = 100.0
 _TOKEN_ID_TEXT = re.compile(r"[0-9]{1,10}")  # a logit_bias key as OpenAI's JSON sends it; ASCII digits only
+FLOAT32_MAX = 3.4028234663852886e38  # the sampler's temperatures are float32: a larger one would be inf
 GREEDY_BELOW = 1e-5  # a smaller temperature samples greedily (as vLLM does), never dividing by ~0
 
 
@@ -113,6 +114,8 @@ class SamplingParams:
         self._int("n", self.n, 1, MAX_N)
         self._real("temperature", self.temperature)
         self._check("temperature", self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        self._check("temperature", self.temperature <= FLOAT32_MAX,
+                    f"temperature must be at most {FLOAT32_MAX:.4g} (float32's largest), got {self.temperature}")
         self._real("top_p", self.top_p)
         self._check("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         self._int("top_k", self.top_k, -1, INT32_MAX)

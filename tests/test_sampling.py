@@ -353,6 +353,27 @@ def test_the_largest_repetition_penalty_keeps_the_order_of_logits_it_can_and_nev
     assert draws == [{0, 1, 2, 3}, {1}]
 
 
+@pytest.mark.parametrize("top_k", [0, 5])  # 5: a row of the step filters, so `keep_threshold` runs
+def test_a_row_with_nothing_to_draw_from_takes_an_id_of_the_vocabulary(top_k):
+    """Row 0 has every token masked (min_tokens with every id a stop id): its probabilities are NaN.
+    Row 1 runs at float32's largest temperature with one token masked: -inf / 3.4e38 is -inf, and
+    every other logit scaled to about 0, a distribution without NaN. Row 0 takes its argmax (id 0:
+    every logit -inf), never a padding index past the vocabulary (the inverse CDF's chunks are padded
+    to CHUNK ids), and row 2's draw is the one it makes alone."""
+    vocab = CHUNK + 100
+    logits = np.random.default_rng(0).normal(size=(3, vocab)).astype(np.float32)
+    mask = np.zeros((4, vocab), bool)
+    mask[0], mask[1, 7] = True, True
+    state = replace(empty_state(4, vocab), min_tokens_mask=mask)
+    temperature = SamplingParams(temperature=3.4028234663852886e38).temperature
+    s = sampling_input(3, processed=[True, True, False], penalty_row=[0, 1, 3], in_min_tokens=[True, True, False],
+                       temperature=[1.0, temperature, 1.0], top_k=[0, 0, top_k], seed_lo=[1, 2, 3])
+    (tokens, _, _, _, _), _ = jax.jit(sample)(logits, s, state)
+    tokens = np.asarray(tokens).tolist()
+    (alone, _, _, _, _), _ = jax.jit(sample)(logits[2:], sampling_input(1, top_k=top_k, seed_lo=3), state)
+    assert tokens[0] == 0 and 0 <= tokens[1] < vocab and tokens[1] != 7 and tokens[2] == int(np.asarray(alone)[0])
+
+
 def test_only_kept_tokens_of_processed_rows_are_counted():
     state = empty_state(4, 6)
     s = sampling_input(3, penalty_row=[0, 1, 3], processed=[True, True, False], keep=[True, False, True])
@@ -370,7 +391,8 @@ def test_only_kept_tokens_of_processed_rows_are_counted():
         (dict(logprobs=99), "logprobs"), (dict(stop=[""]), "stop"),
         (dict(top_k=2**31), "top_k"), (dict(top_k=1.5), "top_k"), (dict(seed=2**64), "seed"),
         (dict(seed=-(2**63) - 1), "seed"), (dict(seed=1.0), "seed"), (dict(temperature=math.inf), "temperature"),
-        (dict(temperature=math.nan), "temperature"), (dict(top_p=math.nan), "top_p"), (dict(n=0), "n"),
+        (dict(temperature=math.nan), "temperature"), (dict(temperature=3.5e38), "temperature"),
+        (dict(top_p=math.nan), "top_p"), (dict(n=0), "n"),
         (dict(n=65), "n"), (dict(max_tokens=2**31), "max_tokens"), (dict(min_tokens=5, max_tokens=4), "min_tokens"),
         (dict(logprobs=True), "logprobs"), (dict(ignore_eos="yes"), "ignore_eos"),
         (dict(skip_special_tokens=1), "skip_special_tokens"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
