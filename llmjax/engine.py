@@ -283,8 +283,9 @@ class LLMEngine:
             except TextTooLong as exc:
                 raise prompt_too_long(exc, self.config.max_model_len) from None
         self._validate(ids, params)
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=self.config.max_model_len - len(ids))
+        if params.max_tokens is None:  # up to max_model_len (a min_tokens beyond it stops there, as max_tokens does)
+            room = self.config.max_model_len - len(ids)
+            params = dataclasses.replace(params, max_tokens=max(room, params.min_tokens))
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         keys = [next(self._keys) for _ in child_ids]
@@ -317,17 +318,19 @@ class LLMEngine:
                      arrival_time: float | None = None) -> list[str]:
         """`add_request` for each (prompt, params, request id or None, namespace or None), all or none:
         should one raise, the ones added are aborted and the seeds drawn for them go back to the engine's
-        generator, so a refused batch changes nothing a later request samples; the exception propagates.
-        Their ids."""
+        generator, so a refused batch changes nothing a later request samples; the exception propagates
+        (with a note naming the request that raised, by its place in `requests`). Their ids."""
         seeds = self._seed_rng.bit_generator.state
         added: list[str] = []
         try:
             for prompt, params, request_id, namespace in requests:
                 added.append(self.add_request(prompt, params, request_id, namespace, arrival_time))
-        except BaseException:
+        except BaseException as exc:
             for request_id in added:
                 self.abort(request_id)
             self._seed_rng.bit_generator.state = seeds
+            if len(requests) > 1 and isinstance(exc, Exception):
+                exc.add_note(f"request {len(added)} of the {len(requests)} given (from 0); none of them was added")
             raise
         return added
 

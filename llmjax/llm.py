@@ -1,8 +1,8 @@
 """The offline API, as vLLM's: `LLM(model, **engine_args).generate(prompts, sampling_params)` and
 `LLM.chat(conversations, sampling_params)`.
 
-Prompts take vLLM's forms: a string, `{"prompt": str}`, `{"prompt_token_ids": [int, ...]}`, or a
-list of those; either mapping may also hold vLLM's `"cache_salt"` (the request's prefix-cache
+Prompts take vLLM's forms: a string, a list of token ids, `{"prompt": str}`, `{"prompt_token_ids":
+[int, ...]}`, or a list of those; either mapping may also hold vLLM's `"cache_salt"` (the request's prefix-cache
 tenant: requests of different salts never share cached pages). A chat conversation (a list of
 `{"role", "content"}` messages) goes through `chat`, which renders it with the model's chat
 template; a message's content is a string or a list of OpenAI text parts, as the server takes it.
@@ -13,6 +13,7 @@ Both return one finished `RequestOutput` per prompt, in input order (`llmjax.out
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -28,13 +29,15 @@ from llmjax.tokenizer import CharTokenizer, Tokenizer
 
 Prompt = str | Mapping[str, Any]  # str | {"prompt": str} | {"prompt_token_ids": list[int]}, + "cache_salt"
 Conversation = Sequence[Mapping[str, Any]]  # messages: {"role": str, "content": str | [{"type": "text", ...}]}
+log = logging.getLogger(__name__)
 
 
 def _template_message(message: Any, loc: tuple[str | int, ...]) -> dict[str, Any]:
     """`message` as the chat template sees it, as the server makes it: its `content` checked and made
     text by the server's `ChatContent` (a string, or OpenAI text parts joined by newlines), role
-    `developer` as `system`, its other keys as they are. ValueError, worded as the server's 400 and
-    placed at `loc` (the message's own), for anything else."""
+    `developer` as `system`, a `name` of None left out (as the server's `ChatMessage` leaves it), its
+    other keys as they are. ValueError, worded as the server's 400 and placed at `loc` (the
+    message's own), for anything else (a `name` that is no string)."""
     where = ".".join(map(str, loc))
     if not isinstance(message, Mapping):
         raise ValueError(f"{where}: a message is a mapping with 'role' and 'content', got {message!r:.80}")
@@ -44,8 +47,12 @@ def _template_message(message: Any, loc: tuple[str | int, ...]) -> dict[str, Any
         content = ChatContent.model_validate({"content": message["content"]} if "content" in message else {})
     except ValidationError as exc:
         raise ValueError(validation_message([{**e, "loc": (*loc, *e["loc"])} for e in exc.errors()])[0]) from None
+    name = message.get("name")
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"{where}.name: a message's name is a string, got {name!r:.80}")
     role = "system" if message["role"] == "developer" else message["role"]
-    return {**message, "role": role, "content": content.text()}
+    rest = {key: value for key, value in message.items() if not (key == "name" and value is None)}
+    return {**rest, "role": role, "content": content.text()}
 
 
 class LLM:
@@ -76,7 +83,8 @@ class LLM:
                               "batch never waits for more")
 
     def get_tokenizer(self) -> Tokenizer | CharTokenizer:
-        """The engine's tokenizer (vLLM's `LLM.get_tokenizer`): `encode`, `decode`, `encode_chat`."""
+        """The engine's tokenizer (vLLM's `LLM.get_tokenizer`): `encode`, `decode`, `encode_chat`;
+        a model's HF tokenizer is its `hf` (what vLLM's returns: `apply_chat_template`, `eos_token_id`)."""
         return self.engine.tokenizer
 
     @staticmethod
@@ -85,14 +93,16 @@ class LLM:
         the namespace, a `cache_salt`). Raises TypeError for anything else."""
         if isinstance(prompt, str):
             return prompt, None
+        if isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt), None  # token ids, as vLLM takes them bare
         if isinstance(prompt, Mapping):
             keys, salt = set(prompt) - {"cache_salt"}, prompt.get("cache_salt")
             if keys == {"prompt"} and isinstance(prompt["prompt"], str):
                 return prompt["prompt"], salt
             if keys == {"prompt_token_ids"} and not isinstance(prompt["prompt_token_ids"], str):
                 return prompt["prompt_token_ids"], salt  # the engine checks they are integer ids
-        raise TypeError('a prompt is a string, {"prompt": str} or {"prompt_token_ids": [int, ...]} (each mapping '
-                        'may add "cache_salt"; chat conversations go through LLM.chat), got '
+        raise TypeError('a prompt is a string, a list of token ids, {"prompt": str} or {"prompt_token_ids": '
+                        '[int, ...]} (each mapping may add "cache_salt"; chat conversations go through LLM.chat), got '
                         f"{prompt!r:.80}")
 
     def generate(
@@ -105,16 +115,20 @@ class LLM:
         A prompt the engine refuses raises (`RequestError`, `SamplingParamsError`) with nothing left queued.
         `use_tqdm`: show a progress bar; a callable (vLLM's) makes the bar, taking tqdm's arguments.
         Interrupted (Ctrl-C, an exception while stepping), it aborts the requests it queued."""
-        if isinstance(prompts, (str, Mapping)):
+        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, Sequence) and prompts
+                                                   and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
+        elif not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts are a prompt or a list of them, got {prompts!r:.80}")
         return self._run([self._engine_prompt(p) for p in prompts], sampling_params, use_tqdm)
 
     def chat(
         self,
-        conversations: Conversation | Sequence[Conversation],
+        messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (rendered with the chat template).
         A message's `content` is a string or a list of OpenAI text parts (`{"type": "text", "text":
@@ -122,11 +136,15 @@ class LLM:
         image part, a missing text) raises ValueError with the server's message, its place given as
         `messages.I...` (one conversation) or `messages.C.I...`, with nothing queued; so does a
         conversation that is no list of messages (a string, say), or a message without a string role.
-        Each output's `prompt` is its rendered conversation, as in vLLM. `add_generation_prompt` is
-        True or False (TypeError otherwise, as for the server's field)."""
-        if not isinstance(add_generation_prompt, bool):
-            raise TypeError(f"add_generation_prompt is True or False, got {add_generation_prompt!r:.80}")
-        conversations = list(conversations)
+        Each output's `prompt` is its rendered conversation, as in vLLM. `add_generation_prompt` and
+        `continue_final_message` (the reply goes on with the last message's text; it needs
+        `add_generation_prompt=False`, as in vLLM, else ValueError) are True or False (TypeError
+        otherwise, as for the server's fields)."""
+        for name, flag in (("add_generation_prompt", add_generation_prompt),
+                           ("continue_final_message", continue_final_message)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} is True or False, got {flag!r:.80}")
+        conversations = list(messages)
         single = bool(conversations) and isinstance(conversations[0], Mapping)
         if single:
             conversations = [conversations]
@@ -136,10 +154,17 @@ class LLM:
                                  f"(mappings with 'role' and 'content'), got {conversation!r:.80}")
         messages = [[_template_message(m, ("messages", *(() if single else (c,)), i)) for i, m in enumerate(conv)]
                     for c, conv in enumerate(conversations)]
-        ids = [self.tokenizer.encode_chat(m, add_generation_prompt) for m in messages]
+        rendered = []
+        for c, m in enumerate(messages):
+            try:
+                rendered.append(self.tokenizer.chat_prompt(m, add_generation_prompt, continue_final_message))
+            except ValueError as exc:
+                raise ValueError(f"messages{'' if single else f'.{c}'}: {exc}") from None
+        ids = [self.tokenizer.encode_chat(m, add_generation_prompt, continue_final_message=continue_final_message)
+               for m in messages]
         outputs = self._run([(i, None) for i in ids], sampling_params, use_tqdm)
-        for output, m in zip(outputs, messages):
-            output.prompt = self.tokenizer.chat_prompt(m, add_generation_prompt)
+        for output, text in zip(outputs, rendered):
+            output.prompt = text
         return outputs
 
     def _run(self, prompts: list[tuple[str | list[int], str | None]], sampling_params, use_tqdm) -> list[RequestOutput]:
@@ -180,4 +205,8 @@ class LLM:
             raise
         finally:
             engine.scheduler.input_closed = False
+        failed = [results[i] for i in ids if results[i].error is not None]
+        if failed:  # their outputs end with finish reason "error" and say why in `error`
+            log.warning("%d of %d requests failed (their outputs' `error`), the first: %s", len(failed), len(ids),
+                        failed[0].error)
         return [results[i] for i in ids]

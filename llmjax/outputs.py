@@ -119,9 +119,10 @@ class OutputAccumulator:
         self.outputs: dict[str, RequestOutput] = {}
 
     def add(self, delta: RequestOutput) -> RequestOutput:
-        """Fold `delta` in; returns the request's accumulated output so far."""
+        """Fold `delta` in; returns the request's accumulated output so far. A delta of an id whose
+        output has finished starts a new output (the id was used again, by a new request)."""
         whole = self.outputs.get(delta.request_id)
-        if whole is None:
+        if whole is None or whole.finished:
             whole = dataclasses.replace(delta, outputs=[_copy(c) for c in delta.outputs])
             whole.outputs.sort(key=lambda c: c.index)
             self.outputs[delta.request_id] = whole

@@ -89,6 +89,26 @@ def render_chat_template(template: str, messages: Sequence[Message], add_generat
                                                add_generation_prompt=add_generation_prompt, **special)
 
 
+def continue_final(rendered: str, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    """`rendered` (the conversation `messages` rendered without a generation prompt) cut right after
+    the last message's content, so the model goes on with that message (HF's and vLLM's
+    `continue_final_message`): the template's end of turn after it is dropped, and the content's
+    trailing whitespace kept where the template kept it. ValueError with `add_generation_prompt`
+    (the prompt either continues the last message or opens a new one), for a conversation without
+    a last message with text, and when the template did not write that text as it is."""
+    if add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the prompt either "
+                         "continues the last message or opens a new one")
+    content = messages[-1]["content"] if messages else ""
+    core = content.strip()
+    at = rendered.rfind(core) if core else -1
+    if at < 0:
+        raise ValueError("continue_final_message needs a last message whose text the chat template writes as it is")
+    end = at + len(core)
+    tail = content[len(content.rstrip()):]
+    return rendered[: end + len(tail)] if rendered.startswith(tail, end) else rendered[:end]
+
+
 class Tokenizer:
     """A HF tokenizer with llmjax's needs: encode, decode, chat prompts, the set of stop ids.
 
@@ -180,18 +200,24 @@ class Tokenizer:
             self._byte_tables[skip_special_tokens] = table
         return self._byte_tables[skip_special_tokens]
 
-    def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
+        """The conversation rendered by the chat template; with `continue_final_message`, cut after
+        the last message's text (`continue_final`)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         special = {name: token for name, token in self.hf.special_tokens_map.items() if isinstance(token, str)}
-        return render_chat_template(self.chat_template, messages, add_generation_prompt,
+        text = render_chat_template(self.chat_template, messages, add_generation_prompt and not continue_final_message,
                                     **{"bos_token": "", "eos_token": "", **special})
+        return continue_final(text, messages, add_generation_prompt) if continue_final_message else text
 
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False, at_most: int | None = None) -> list[int]:
-        """Token ids of the rendered chat prompt. The template writes its own special tokens;
-        `add_special_tokens` adds the tokenizer's too (as HF's `apply_chat_template` then `encode`)."""
-        return self.encode(self.chat_prompt(messages, add_generation_prompt), add_special_tokens, at_most)
+                    add_special_tokens: bool = False, at_most: int | None = None,
+                    continue_final_message: bool = False) -> list[int]:
+        """Token ids of the rendered chat prompt (`chat_prompt`). The template writes its own special
+        tokens; `add_special_tokens` adds the tokenizer's too (as HF's `apply_chat_template` then `encode`)."""
+        return self.encode(self.chat_prompt(messages, add_generation_prompt, continue_final_message),
+                           add_special_tokens, at_most)
 
 
 class CharTokenizer:
@@ -226,15 +252,20 @@ class CharTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return self.token_to_text(token_id).encode()
 
-    def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def chat_prompt(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
         text = "".join(f"<{m['role']}{':' + m['name'] if 'name' in m else ''}>{m['content']}\n" for m in messages)
+        if continue_final_message:
+            return continue_final(text, messages, add_generation_prompt)
         return text + ("<assistant>" if add_generation_prompt else "")
 
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False, at_most: int | None = None) -> list[int]:
+                    add_special_tokens: bool = False, at_most: int | None = None,
+                    continue_final_message: bool = False) -> list[int]:
         """BOS (the chat format's own), then the rendered text; `add_special_tokens` adds the
         tokenizer's BOS before it, as `Tokenizer.encode_chat` does."""
-        return [1] + self.encode(self.chat_prompt(messages, add_generation_prompt), add_special_tokens, at_most)
+        return [1] + self.encode(self.chat_prompt(messages, add_generation_prompt, continue_final_message),
+                                 add_special_tokens, at_most)
 
 
 class TextTooLong(ValueError):

@@ -147,3 +147,18 @@ def test_the_loop_never_waits_while_continuous_batching_has_work(async_schedulin
         engine.shutdown()
     assert all(o.finished and len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outputs)
     assert engine.engine.num_steps > 0 and not any(stalls)
+
+
+def test_an_accumulator_starts_anew_when_a_finished_requests_id_comes_again():
+    """An engine takes an id again once its request has finished: the new request's deltas make a
+    new output, never one appended to the finished one."""
+    def delta(text: str, finished: bool) -> RequestOutput:
+        return RequestOutput("same", None, [1], [CompletionOutput(0, text, [5], finish_reason="length" if finished
+                                                                  else None)], finished, RequestMetrics(0.0))
+
+    whole = OutputAccumulator()
+    whole.add(delta("a", False))
+    assert whole.add(delta("b", True)).outputs[0].text == "ab"
+    assert whole.add(delta("c", False)).outputs[0].text == "c"
+    again = whole.add(delta("d", True))
+    assert (again.outputs[0].text, again.outputs[0].token_ids, again.finished) == ("cd", [5, 5], True)

@@ -40,8 +40,11 @@ def test_prompt_forms_and_output_shape(llm):
     [single] = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
     assert single.outputs[0].token_ids == expected
     assert single.num_cached_tokens == (len(ids) - 1) // 8 * 8  # the earlier runs' full pages
-    with pytest.raises(TypeError, match="prompt_token_ids"):
-        llm.generate([ids], GREEDY)
+    for bare in (ids, [ids]):  # token ids without a mapping, one prompt or a list of them, as vLLM takes them
+        [out] = llm.generate(bare, GREEDY, use_tqdm=False)
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == expected
+    with pytest.raises(TypeError, match="a prompt or a list of them"):
+        llm.generate(None, GREEDY)
     with pytest.raises(TypeError, match="LLM.chat"):
         llm.generate([[{"role": "user", "content": "hi"}]], GREEDY)
     for bad in ([1.9, 2.2], [True, 504], 504):  # never turned into other ids
@@ -144,6 +147,31 @@ def test_chat_refuses_other_content_with_the_servers_message(llm, conversations,
     assert out.prompt_token_ids == [1] + char_ids("<user>hi\n<assistant>")
 
 
+def test_chat_continues_the_final_message(llm):
+    """vLLM's `continue_final_message`: the prompt ends with the last message's text, not its end of
+    turn, so the reply goes on with it; it needs `add_generation_prompt=False`, as in vLLM."""
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
+    [out] = llm.chat(messages=conversation, sampling_params=SamplingParams(max_tokens=1), use_tqdm=False,
+                     add_generation_prompt=False, continue_final_message=True)
+    assert out.prompt == "<user>hi\n<assistant>Sure, " and out.prompt_token_ids == [1] + char_ids(out.prompt)
+    with pytest.raises(ValueError, match="^messages: continue_final_message and add_generation_prompt cannot both"):
+        llm.chat(conversation, GREEDY, use_tqdm=False, continue_final_message=True)
+    with pytest.raises(ValueError, match=r"^messages\.1: continue_final_message needs a last message"):
+        llm.chat([conversation, [{"role": "user", "content": " "}]], GREEDY, use_tqdm=False,
+                 add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(TypeError, match="continue_final_message is True or False"):
+        llm.chat(conversation, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=1)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_takes_a_name_of_none_as_none_and_refuses_another_kind(llm):
+    """As the server's `ChatMessage`: `name: None` is no name; a name that is no string is refused."""
+    [out] = llm.chat([{"role": "user", "content": "hi", "name": None}], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert out.prompt_token_ids == [1] + char_ids("<user>hi\n<assistant>")
+    with pytest.raises(ValueError, match=r"^messages\.0\.name: a message's name is a string"):
+        llm.chat([{"role": "user", "content": "hi", "name": 3}], GREEDY, use_tqdm=False)
+
+
 def test_chat_reads_developer_as_system_as_the_server_does(llm):
     [out] = llm.chat([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
                      SamplingParams(max_tokens=1), use_tqdm=False)
@@ -193,8 +221,9 @@ def test_a_refused_generate_changes_nothing_a_later_request_samples():
                           kv_cache_memory_bytes=2 << 20, attention_backend="xla", dtype="float32")
     params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
     fresh, refused = LLM("tiny-gqa", engine_config=config), LLM("tiny-gqa", engine_config=config)
-    with pytest.raises(RequestError, match="prompt"):
+    with pytest.raises(RequestError, match="prompt") as refusal:
         refused.generate(["x", "y", ""], params, use_tqdm=False)
+    assert refusal.value.__notes__ == ["request 2 of the 3 given (from 0); none of them was added"]
     assert not refused.engine.has_unfinished_requests() and refused.engine.kv.usage().used == 0
     [expected], [got] = (llm.generate("x", params, use_tqdm=False) for llm in (fresh, refused))
     assert got.outputs[0].token_ids == expected.outputs[0].token_ids

@@ -543,12 +543,6 @@ def test_unsupported_fields_are_refused_by_name(client, path, field):
     _good_request(client)
 
 
-def test_continue_final_message_is_refused(client):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "continue_final_message": True}
-    _assert_error(client.post("/v1/chat/completions", json=body), 400, "continue_final_message", "not supported")
-    _good_request(client)
-
-
 STRICT_ERRORS = [
     # (completion fields, param): values of the wrong type or out of range
     ({"stream": "yes"}, "stream"),
@@ -887,6 +881,25 @@ def test_tokenize_flags(client):
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     assert tokens(messages=[{"role": "user", "content": parts}]) == \
         tokens(messages=[{"role": "user", "content": "a\nb"}])  # text parts joined by newlines, as vLLM
+
+
+def test_continue_final_message_ends_the_prompt_with_that_messages_text(client):
+    """vLLM's `continue_final_message` (chat completions and /tokenize): the tiny chat format writes
+    "<role>content\n" per message; the prompt stops right after the last content. It needs
+    `add_generation_prompt: false`, as in vLLM."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "So"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    r = client.post("/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == client.post("/tokenize", json={"prompt": "<user>hi\n<assistant>So"}).json()["tokens"]
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3, **body})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len("<user>hi\n<assistant>So") + 1  # the format's BOS
+    for path, extra in (("/v1/chat/completions", {"model": "tiny", "max_tokens": 3}), ("/tokenize", {})):
+        _assert_error(client.post(path, json={"messages": messages, "continue_final_message": True, **extra}), 400,
+                      "continue_final_message")
+    _assert_error(client.post("/tokenize", json={"prompt": "hi", "continue_final_message": True}), 400,
+                  "continue_final_message")
 
 
 def test_prompts_are_tokenized_in_worker_threads_and_admitted_in_one_command(client, app):

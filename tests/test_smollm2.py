@@ -81,6 +81,12 @@ def test_chat_template_matches_transformers(hf, ours):
             assert tokenizer.chat_prompt(messages, add_generation_prompt) == expected
         expected_ids = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
         assert tokenizer.encode_chat(messages) == list(expected_ids)
+    # continuing a reply: the last message's text without its end of turn, as HF (and vLLM) cut it
+    for final in ("The capital of France is", "A list:\n", "  padded  "):
+        messages = [{"role": "user", "content": "Go on."}, {"role": "assistant", "content": final}]
+        expected = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                              continue_final_message=True)
+        assert tokenizer.chat_prompt(messages, False, continue_final_message=True) == expected
 
 
 # Jinja features HF's apply_chat_template gives templates: its tojson (no HTML escapes, non-ASCII kept),

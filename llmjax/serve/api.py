@@ -143,17 +143,20 @@ class OpenAIServer:
             raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
     def _chat_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
-                  add_special_tokens: bool = False, generation: bool = True) -> list[int]:
+                  add_special_tokens: bool = False, generation: bool = True,
+                  continue_final_message: bool = False) -> list[int]:
         """The rendered conversation's token ids (blocking: call it in a worker thread). For a
         `generation`, a conversation certainly beyond the context is refused before it is encoded
         (`/tokenize` encodes any, as vLLM's does)."""
         try:
             return self.tokenizer.encode_chat([m.as_dict() for m in messages], add_generation_prompt,
-                                              add_special_tokens, self.max_model_len if generation else None)
+                                              add_special_tokens, self.max_model_len if generation else None,
+                                              continue_final_message=continue_final_message)
         except TextTooLong as exc:
             raise prompt_too_long(exc, self.max_model_len) from None
         except (ValueError, TemplateError) as exc:
-            raise RequestError(str(exc), "messages") from exc
+            raise RequestError(str(exc), "continue_final_message" if "continue_final_message" in str(exc)
+                               else "messages") from exc
 
     def _token_ids(self, prompts: list[p.Prompt]) -> list[list[int]]:
         """Each prompt's token ids, as the engine would encode it (blocking: call it in a worker thread).
@@ -308,7 +311,8 @@ class OpenAIServer:
         arrival = time.monotonic()
         self._check_model(body.model)
         params, request_id, created = body.sampling_params(), p.random_id("chatcmpl"), p.now_s()
-        prompt_ids = await asyncio.to_thread(self._chat_ids, body.messages, body.add_generation_prompt)
+        prompt_ids = await asyncio.to_thread(self._chat_ids, body.messages, body.add_generation_prompt,
+                                             continue_final_message=body.continue_final_message)
         sent = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         stream, index = await self._open([prompt_ids], params, request_id, body.cache_salt, arrival, sent)
         if body.stream:
@@ -392,9 +396,11 @@ class OpenAIServer:
         special = body.add_special_tokens
         if body.messages is not None:
             generation_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
-            tokens = await asyncio.to_thread(self._chat_ids, body.messages, generation_prompt, bool(special), False)
-        elif body.add_generation_prompt is not None:
-            raise RequestError("add_generation_prompt applies to `messages` only", "add_generation_prompt")
+            tokens = await asyncio.to_thread(self._chat_ids, body.messages, generation_prompt, bool(special), False,
+                                             bool(body.continue_final_message))
+        elif body.add_generation_prompt is not None or body.continue_final_message is not None:
+            name = "add_generation_prompt" if body.add_generation_prompt is not None else "continue_final_message"
+            raise RequestError(f"{name} applies to `messages` only", name)
         else:
             tokens = await asyncio.to_thread(self.tokenizer.encode, body.prompt, special is not False)
         return p.TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)

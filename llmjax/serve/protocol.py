@@ -10,8 +10,8 @@ without `echo`, `top_logprobs` without `logprobs`, `stream_options` without `str
 OpenAI's `presence_penalty`, `frequency_penalty`, `logit_bias` (string token-id keys), `seed`
 and `n` map onto `SamplingParams` fields of the same names; vLLM extensions: `top_k`, `min_p`,
 `min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
-`skip_special_tokens`, chat's `add_generation_prompt`, and `cache_salt` (the prefix-cache tenant:
-requests with different salts never share cached blocks).
+`skip_special_tokens`, chat's `add_generation_prompt` and `continue_final_message`, and
+`cache_salt` (the prefix-cache tenant: requests with different salts never share cached blocks).
 """
 
 from __future__ import annotations
@@ -249,6 +249,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant turn's header
+    # vLLM's: the reply goes on with the last message's text (with add_generation_prompt false)
+    continue_final_message: bool = False
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -272,13 +274,14 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(StrictRequest):
     """Exactly one of `prompt` and `messages`. `add_special_tokens`: the tokenizer's own special
     tokens (BOS), by default with a prompt and not with messages, whose chat template writes its
-    own (vLLM's defaults); `add_generation_prompt` only with messages."""
+    own (vLLM's defaults); `add_generation_prompt` and `continue_final_message` only with messages."""
 
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 class DetokenizeRequest(StrictRequest):
