@@ -118,7 +118,8 @@ def padding_note(cpu: list[dict]) -> str:
             and r["ranges"]["itl_p99_ms"][1] < base["ranges"]["itl_p99_ms"][0]]
     fills = ", ".join(f"{r['budget']}: {r['prefill_fill']:.0%}" for r in cpu)
     text = ("This engine runs a step padded to a power-of-two token count, so a step's cost follows its bucket, "
-            f"not only the tokens it computes. The prompt steps' tokens over their buckets' ({fills}). ")
+            f"not only the tokens it computes. Tokens computed over tokens run in the steps that carry a prompt chunk: "
+            f"{fills}. ")
     if not both:
         return text + "No budget beat no chunking on both TTFT and p99 ITL in every pass."
     return text + (f"Budget {', '.join(both)} beat no chunking on both mean TTFT and p99 ITL in every pass, "
