@@ -367,3 +367,12 @@ def test_llm_refuses_settings_that_would_have_no_effect(args, flag, monkeypatch)
     with pytest.raises(ConfigError, match=f"{flag} has no effect"):
         LLM("tiny-gqa", **args)
     LLM._check_offline(EngineConfig(scheduling_policy="dynamic", batch_size=4))  # its defaults: fine
+
+
+def test_min_tokens_beyond_the_context_left_stops_at_max_model_len_as_max_tokens_does(llm):
+    """With `max_tokens` unset (up to max_model_len), a `min_tokens` beyond the context the prompt
+    leaves is served as an explicit `max_tokens` beyond it is: it stops at max_model_len."""
+    prompt = list(range(3, REF_LEN - 8 + 3))  # leaves 8 tokens of context
+    for params in (SamplingParams(min_tokens=20, max_tokens=None), SamplingParams(min_tokens=20, max_tokens=30)):
+        [out] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
