@@ -204,7 +204,8 @@ def load(d: dict, n: Numbers) -> str:
             "killed replica "
             f"{'restarted' if d['restarted'] else 'NOT restarted'}, {n(d['leaked_replicas'], 'd')} replicas left with "
             f"requests or KV blocks; /health p99 {n(d['health']['p99_ms'], '.1f')} ms with "
-            f"{n(d['health']['non_200'], 'd')} answers not OK")
+            f"{n(d['health']['non_200'], 'd')} answers not OK and {n(d['health']['stalled'], 'd')} probes of a live "
+            "replica unanswered")
 
 
 def kv_bookkeeping(d: dict, n: Numbers) -> str:
@@ -302,7 +303,8 @@ def router_overhead(d: dict, n: Numbers) -> str:
             f"`llmjax router` to one replica: {n(routed['tok_s'], '.0f')} output tok/s against "
             f"{n(direct['tok_s'], '.0f')} direct ({n(routed['vs_direct'], '.2f')}x); TPOT p50 "
             f"{n(routed['tpot_p50_ms'], '.1f')} against {n(direct['tpot_p50_ms'], '.1f')} ms; the router's CPU "
-            f"{n(routed['router_us_per_token'], '.0f')} us per relayed token")
+            f"{n(routed['router_us_per_token'], '.0f')} us per relayed token, taken from the replica's (they share "
+            "the machine's cores)")
 
 
 def batching(d: dict, n: Numbers) -> str:
@@ -326,7 +328,9 @@ def chunked_prefill(d: dict, n: Numbers) -> str:
             f"{n(sim[-1]['ttft_mean_ms'], '.1f', 1e-3)} -> {n(sim[0]['ttft_mean_ms'], '.1f', 1e-3)} s; CPU engine, "
             f"budget {n(cpu[0]['tokens'], 'd')}: p99 ITL {n(cpu[-1]['itl_p99_ms'], '.0f')} -> "
             f"{n(cpu[0]['itl_p99_ms'], '.0f')} ms, TTFT {n(cpu[-1]['ttft_mean_ms'], '.0f')} -> "
-            f"{n(cpu[0]['ttft_mean_ms'], '.0f')} ms")
+            f"{n(cpu[0]['ttft_mean_ms'], '.0f')} ms (steps are padded to power-of-two token counts: the prompt steps "
+            f"fill {n(cpu[-1]['prefill_fill'], '.0%')} of theirs without chunking, "
+            f"{n(cpu[0]['prefill_fill'], '.0%')} at budget {n(cpu[0]['tokens'], 'd')})")
 
 
 def attention_variants(d: dict, n: Numbers) -> str:
