@@ -166,9 +166,14 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def _rope_params_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """HF stores RoPE scaling as `rope_scaling` (transformers 4) or `rope_parameters` (5); given
+    both, transformers reads `rope_scaling` (a model card's addition to a saved config)."""
+    return dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+
+
 def _rope_scaling_from_hf(hf: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """HF stores RoPE scaling as `rope_scaling` (transformers 4) or `rope_parameters` (5)."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    params = _rope_params_from_hf(hf)
     if "type" in params and "rope_type" not in params:
         params["rope_type"] = params.pop("type")
     params.pop("rope_theta", None)
@@ -182,8 +187,8 @@ def _rope_scaling_from_hf(hf: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 
 def _rope_theta_from_hf(hf: dict[str, Any]) -> float:
-    params = hf.get("rope_parameters") or {}
-    return float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    """The RoPE parameters' own `rope_theta` first (as transformers reads it), then the top level's."""
+    return float(_rope_params_from_hf(hf).get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
 def _context_from_hf(hf: dict[str, Any]) -> int:

@@ -251,6 +251,43 @@ def test_a_broken_checkpoint_is_a_clear_error(tmp_path):
         load_model(str(tmp_path))
 
 
+@pytest.mark.parametrize("edit", [
+    # a model card's `rope_scaling` added to a config saved with `rope_parameters`: transformers reads it
+    lambda c: c.update(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+    # both thetas: transformers reads the RoPE parameters' own
+    lambda c: c.update(rope_theta=500.0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # transformers 4's form, with its theta inside the scaling
+    lambda c: (c.pop("rope_parameters", None), c.pop("rope_theta", None),
+               c.update(rope_scaling={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0})),
+])
+def test_rope_settings_are_read_as_transformers_reads_them(edit, tmp_path):
+    """config.json edited by hand after `save_pretrained`: both load the same folder; same logits."""
+    _save_hf(tmp_path, "LlamaConfig", dict(LLAMA, num_key_value_heads=2))
+    config = json.loads((tmp_path / "config.json").read_text())
+    edit(config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokens = np.random.default_rng(0).integers(0, LLAMA["vocab_size"], size=(1, 100))
+    with torch.no_grad():
+        expected = hf_model(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(load_model(str(tmp_path)).module()(tokens)), expected, atol=1e-4, rtol=0)
+
+
+def test_a_tied_models_stored_head_must_be_the_embeddings_copy(tmp_path):
+    """transformers uses a stored lm_head.weight even when tied; llmjax reads the embedding, so a
+    head that differs is refused, never dropped."""
+    from safetensors.numpy import load_file, save_file
+
+    _save_hf(tmp_path, "LlamaConfig", dict(LLAMA, num_key_value_heads=2, tie_word_embeddings=True))
+    tensors = load_file(tmp_path / "model.safetensors")
+    embedding = tensors["model.embed_tokens.weight"]
+    save_file({**tensors, "lm_head.weight": embedding.copy()}, tmp_path / "model.safetensors")
+    load_model(str(tmp_path))  # the embedding's copy: fine
+    save_file({**tensors, "lm_head.weight": embedding * 2}, tmp_path / "model.safetensors")
+    with pytest.raises(WeightLoadError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        load_model(str(tmp_path))
+
+
 @pytest.mark.parametrize("config_name,extra,context", [
     ("MistralConfig", {"sliding_window": 32}, 32),
     ("MistralConfig", {"sliding_window": None}, 512),

@@ -330,6 +330,15 @@ def _gguf_config(reader, path: Path) -> ModelConfig:
     return cfg
 
 
+def _check_tied_head(names: set[str], get: Callable[[str], np.ndarray], cfg: ModelConfig, folder: Path) -> None:
+    """A tied model reads its output layer from the embedding; a stored `lm_head.weight` must be
+    the embedding's copy (transformers would use one that differs: refused, never dropped)."""
+    if cfg.tie_word_embeddings and "lm_head.weight" in names:
+        if not np.array_equal(np.asarray(get("lm_head.weight")), np.asarray(get("model.embed_tokens.weight"))):
+            raise WeightLoadError(f"{folder}: tie_word_embeddings is true but lm_head.weight differs from "
+                                  "model.embed_tokens.weight; set tie_word_embeddings to false to use it")
+
+
 def _check_hf_all_used(names: set[str], used: set[str], cfg: ModelConfig, folder: Path) -> None:
     """`_check_all_used` for a HF folder. Not weights: RoPE tables some checkpoints store
     (`rotary_emb.inv_freq`); a tied model's `lm_head.weight` is the embedding's copy."""
@@ -373,6 +382,7 @@ def load_model(source: str | None = None, *, dtype=jnp.float32, seed: int = 0) -
         used: set[str] = set()
         get, names = _safetensors_getter(src.path, used)
         graphdef, params = build_params(cfg, dtype, get)
+        _check_tied_head(names, get, cfg, src.path)
         _check_hf_all_used(names, used, cfg, src.path)
     else:
         reader = read_gguf(src.path)
