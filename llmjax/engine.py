@@ -556,7 +556,7 @@ class LLMEngine:
             parent.texts[request.sample_index].detokenize(output_ids, stop_token)
         if parent.held:  # the prompt is computed and its full pages cached
             for sibling in parent.held:
-                self.scheduler.add(sibling)
+                self.scheduler.add(sibling, by_arrival=True)
             self.num_held_samples -= len(parent.held)
             parent.held = []
 

@@ -154,9 +154,16 @@ class Scheduler:
             self._last_token = np.zeros(rows, np.int32)  # the row's last token known on the host
 
     # --- queue changes -------------------------------------------------------------------
-    def add(self, request: Request) -> None:
-        """Queue `request` (under static/dynamic batching, a sample whose request is in the current
-        batch joins it: see `_form_batch`)."""
+    def add(self, request: Request, by_arrival: bool = False) -> None:
+        """Queue `request` last, or with `by_arrival` before the first waiting request that arrived
+        after it (a request's samples released after its first token keep its place in FCFS order).
+        Under static/dynamic batching, a sample whose request is in the current batch joins it: see
+        `_form_batch`."""
+        if by_arrival:
+            for i, other in enumerate(self.waiting):
+                if other.arrival_time > request.arrival_time:
+                    self.waiting.insert(i, request)
+                    return
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:

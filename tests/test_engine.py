@@ -443,3 +443,17 @@ def test_a_static_batch_holds_whole_requests_and_counts_their_samples(policy, pr
     with pytest.raises(RequestError, match=r"n \(4\) is more than the batch size \(3\)"):
         engine.add_request(PROMPTS[0], SamplingParams(n=4))
     assert not engine.has_unfinished_requests()
+
+
+def test_a_requests_later_samples_keep_its_place_in_the_queue():
+    """With prefix caching, samples 1..n-1 wait for sample 0's first token (its prompt's pages are then
+    cached); released, they go before the requests that arrived after theirs (FCFS), not behind them."""
+    engine = tiny_engine(max_num_seqs=1, max_num_batched_tokens=64)
+    engine.add_request(list(range(10, 30)), SamplingParams(n=2, max_tokens=3, ignore_eos=True), request_id="A")
+    engine.add_request(list(range(40, 60)), SamplingParams(max_tokens=3, ignore_eos=True), request_id="B")
+    engine.add_request(list(range(70, 90)), SamplingParams(max_tokens=3, ignore_eos=True), request_id="C")
+    order = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        order += [r.request_id for r in engine.scheduler.running if r.request_id not in order]
+    assert order == ["A#0", "A#1", "B", "C"]
