@@ -26,7 +26,9 @@ SUPPORTED_ARCHITECTURES = (
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
 ROPE_REQUIRED_KEYS = {"default": (), "linear": ("factor",),
                       "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                      "yarn": ("original_max_position_embeddings",), "freq_factors": ("factors",)}
+                      "yarn": ("factor", "original_max_position_embeddings"), "freq_factors": ("factors",)}
+# the window HF's config class assumes when a config.json has no `sliding_window` key
+DEFAULT_SLIDING_WINDOW = {"MistralForCausalLM": 4096}
 HIDDEN_ACTS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")  # HF's names (ACT2FN)
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float16")  # the attention kernels read these
 DTYPES = KV_CACHE_DTYPES  # the model's weights and activations: the same three
@@ -113,7 +115,7 @@ class ModelConfig:
         rope_type = self.rope_params.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
-        missing = [key for key in ROPE_REQUIRED_KEYS[rope_type] if key not in self.rope_params]
+        missing = [key for key in ROPE_REQUIRED_KEYS[rope_type] if self.rope_params.get(key) is None]
         if missing:
             raise ConfigError(f"rope_type {rope_type!r} needs {', '.join(missing)} in its rope parameters")
         if rope_type == "freq_factors" and len(self.rope_params["factors"]) != self.rope_dim // 2:
@@ -183,6 +185,10 @@ def _rope_scaling_from_hf(hf: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     params.setdefault("rope_type", "default")
     if params["rope_type"] == "default":
         params = {"rope_type": "default"}
+    original = params.get("original_max_position_embeddings")
+    if params["rope_type"] == "yarn" and params.get("factor") is None and original:
+        # as transformers reads it: the ratio of the model's context (before any window bounds it) to the original
+        params["factor"] = hf.get("max_position_embeddings", 2048) / original
     return tuple(sorted(params.items()))
 
 
@@ -195,9 +201,11 @@ def _context_from_hf(hf: dict[str, Any]) -> int:
     """The longest context llmjax serves the model at. Attention here always sees the whole
     context, which is the model's own sliding-window attention (Mistral's `sliding_window`, Qwen2's
     with `use_sliding_window`) only up to the window: such a model is served at most that long (as
-    vLLM does when it runs one without its window)."""
+    vLLM does when it runs one without its window). A Mistral config without the key has HF's default
+    window; one with `sliding_window: null` has none."""
     context = hf.get("max_position_embeddings", 2048)
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    default_window = DEFAULT_SLIDING_WINDOW.get((hf.get("architectures") or [None])[0])
+    window = hf.get("sliding_window", default_window) if hf.get("use_sliding_window", True) else None
     return min(context, window) if window else context
 
 

@@ -291,14 +291,36 @@ def test_a_tied_models_stored_head_must_be_the_embeddings_copy(tmp_path):
 @pytest.mark.parametrize("config_name,extra,context", [
     ("MistralConfig", {"sliding_window": 32}, 32),
     ("MistralConfig", {"sliding_window": None}, 512),
+    # a config.json without the key: the window transformers' config class assumes
+    ("MistralConfig", {"drop_sliding_window": True, "max_position_embeddings": 32768},
+     transformers.MistralConfig().sliding_window),
     ("Qwen2Config", {"sliding_window": 32, "use_sliding_window": True}, 32),
     ("Qwen2Config", {"sliding_window": 32, "use_sliding_window": False}, 512),
 ])
 def test_a_sliding_window_bounds_the_context(config_name, extra, context):
     """Attention here sees the whole context, as the model's sliding window does only within the window."""
-    hf = getattr(transformers, config_name)(**LLAMA, num_key_value_heads=2, **extra).to_dict()
+    extra = dict(extra)
+    drop_window = extra.pop("drop_sliding_window", False)
+    hf = getattr(transformers, config_name)(**dict(LLAMA, num_key_value_heads=2, **extra)).to_dict()
+    if drop_window:
+        del hf["sliding_window"]
     hf["architectures"] = [config_name.replace("Config", "ForCausalLM")]
     assert model_config_from_hf(hf).max_position_embeddings == context
+
+
+def test_yarn_without_a_factor_takes_the_context_before_the_window_bounds_it(tmp_path):
+    """transformers' YaRN factor when the config gives none: max_position_embeddings / original, on
+    the model's own context even when a sliding window bounds what llmjax serves."""
+    _save_hf(tmp_path, "MistralConfig", dict(LLAMA, num_key_value_heads=2, sliding_window=64, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"]["factor"] = None
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    tokens = np.random.default_rng(0).integers(0, LLAMA["vocab_size"], size=(1, 60))  # inside the window
+    with torch.no_grad():
+        expected = hf_model(torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(load_model(str(tmp_path)).module()(tokens)), expected, atol=1e-4, rtol=0)
 
 
 def test_moe_config_is_refused():

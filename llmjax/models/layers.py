@@ -130,7 +130,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
         inv_freq = np.where(medium, smoothed, scaled)
     elif kind == "yarn":
         old_len = params["original_max_position_embeddings"]
-        factor = params.get("factor") or cfg.max_position_embeddings / old_len
+        factor = params["factor"]
         mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
         scale = params.get("attention_factor") or (
             yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
