@@ -352,14 +352,16 @@ class LLMEngine:
                                "batch holds all of a request's samples", "n")
         max_len = self.config.max_model_len
         check_fits_context(len(ids), None, max_len)  # a longer request stops at max_model_len ("length")
-        # the most tokens it can reach: without max_tokens, or with more than fit, max_model_len
+        # the most tokens it can reach: without max_tokens, or with more than fit, max_model_len; all but
+        # the last (sampled, never fed back) take KV slots
         longest = min(max_len, len(ids) + (params.max_tokens or max_len))
-        if self.kv.num_blocks_for(longest) > self.num_blocks - 1:
+        blocks = self.kv.num_blocks_for(longest - 1)
+        if blocks > self.num_blocks - 1:
             reach = "its prompt and max_tokens" if longest < max_len else "max_model_len"
             raise RequestError(
-                f"the request can reach {longest} tokens ({reach}), which need {self.kv.num_blocks_for(longest)} "
-                f"KV blocks, but the pool holds only {self.num_blocks - 1}; lower max_tokens or raise the KV cache "
-                "memory budget", "max_tokens",
+                f"the request can reach {longest} tokens ({reach}), whose KV ({longest - 1} tokens; the last is "
+                f"never fed back) needs {blocks} KV blocks, but the pool holds only {self.num_blocks - 1}; lower "
+                "max_tokens or raise the KV cache memory budget", "max_tokens",
             )
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -277,18 +277,22 @@ def test_a_prompt_of_non_integer_ids_is_refused(prompt):
 def test_a_request_that_can_outgrow_the_pool_is_refused():
     """A pool smaller than max_model_len (128 tokens here; 10 usable blocks of 8 hold 80): a request
     whose prompt and max_tokens need more, or with max_tokens unset (it may grow to max_model_len),
-    is refused at once; one that fits runs beside them to the end."""
-    engine = tiny_engine(kv_cache_memory_bytes=11 * 8 * engine_bytes_per_token("tiny-gqa"))
-    assert engine.num_blocks - 1 == 10
-    good = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=80 - len(PROMPTS[0]),
-                                                         ignore_eos=True))
-    with pytest.raises(RequestError, match="can reach 85 tokens .its prompt and max_tokens.") as refused:
-        engine.add_request([5] * 5, SamplingParams(max_tokens=80))
-    assert refused.value.param == "max_tokens"
-    with pytest.raises(RequestError, match="can reach 128 tokens .max_model_len."):
-        engine.add_request([5] * 5, SamplingParams(max_tokens=None, ignore_eos=True))
-    [out] = drain(engine, [good])
-    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 80 - len(PROMPTS[0])
+    is refused at once; one that fits (81 tokens: its last is sampled, never written) runs beside
+    them to the end, alone in the pool, synchronously and with asynchronous scheduling."""
+    for async_scheduling in (False, True):
+        engine = tiny_engine(kv_cache_memory_bytes=11 * 8 * engine_bytes_per_token("tiny-gqa"),
+                             async_scheduling=async_scheduling)
+        assert engine.num_blocks - 1 == 10
+        good = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=81 - len(PROMPTS[0]),
+                                                             ignore_eos=True))
+        with pytest.raises(RequestError, match="can reach 82 tokens .its prompt and max_tokens.") as refused:
+            engine.add_request([5] * 5, SamplingParams(max_tokens=77))
+        assert refused.value.param == "max_tokens"
+        with pytest.raises(RequestError, match="can reach 128 tokens .max_model_len."):
+            engine.add_request([5] * 5, SamplingParams(max_tokens=None, ignore_eos=True))
+        [out] = drain(engine, [good])
+        assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 81 - len(PROMPTS[0])
+        assert out.metrics.num_preemptions == 0
 
 
 def test_second_run_compiles_nothing():
