@@ -58,13 +58,21 @@ def flash_attention(q, k, v, segment_starts=None, *, sm_scale=None, causal=True,
     """
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    if v.shape != k.shape or k.ndim != 4 or (k.shape[0], k.shape[3]) != (batch, head_dim):
+        raise ValueError(f"k and v must both be [batch {batch}, Tk, Hkv, D {head_dim}], got {k.shape} and {v.shape}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    for name, size in (("block_q", block_q), ("block_k", block_k)):
+        if size is not None and (size < 16 or size != next_pow2(size)):
+            raise ValueError(f"{name} must be a power of two >= 16 (a Triton dot's tile), got {size}")
     varlen = segment_starts is not None
     if varlen and (not causal or q_len != kv_len or q_offset not in (None, 0)
                    or segment_starts.shape != (batch, q_len)):
         raise ValueError("segment_starts needs causal attention, Tq == Tk, q_offset 0 and shape [batch, T]")
     q_offset = kv_len - q_len if q_offset is None else q_offset
+    if q_offset < 0:
+        raise ValueError(f"query rows start at position {q_offset} (Tq {q_len} > Tk {kv_len} needs an explicit "
+                         "q_offset >= 0): rows before position 0 would see no key")
     sm_scale = head_dim ** -0.5 if sm_scale is None else sm_scale
     padded_dim = max(16, next_pow2(head_dim))
     if padded_dim != head_dim:
@@ -106,8 +114,10 @@ def flash_attention(q, k, v, segment_starts=None, *, sm_scale=None, causal=True,
                 visible = kpos[None, :] < kv_len
                 if causal:
                     visible &= kpos[None, :] <= q_pos[:, None]
-                if varlen:
+                if varlen:  # the tile may hold another sequence's keys: a non-finite value of
+                    # theirs would reach these rows through p = 0 (0 * inf is NaN)
                     visible &= kpos[None, :] >= seg[:, None]
+                    vt = jnp.where(jnp.isfinite(vt), vt, 0)
                 s = jnp.where(visible, dot_nt(qt, kt) * scale, -jnp.inf)
             else:  # every key visible to every row
                 kt, vt = k_ref[kv_idx], v_ref[kv_idx]

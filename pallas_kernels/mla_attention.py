@@ -76,6 +76,10 @@ def mla_ragged_paged_attention(q_latent, q_rope, latent_cache, layer, query_star
     check_pow2("kv_lora_rank", rank)
     check_pow2("qk_rope_head_dim", rope_dim)
     check_pow2("block_size", block_size)
+    if q_rope.shape[:2] != q_latent.shape[:2] or latent_cache.ndim != 4 or latent_cache.shape[-1] != rank + rope_dim:
+        raise ValueError(f"q_rope must be [T, H, Dr] beside q_latent's [T, H, R] {q_latent.shape}, and the latent "
+                         f"cache [L, num_blocks, bs, R + Dr = {rank + rope_dim}]; got q_rope {q_rope.shape}, "
+                         f"cache {latent_cache.shape}")
 
     head_block = min(next_pow2(num_heads), MAX_HEAD_BLOCK)
     num_head_blocks = -(-num_heads // head_block)

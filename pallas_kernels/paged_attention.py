@@ -265,7 +265,11 @@ def gqa_block_fn(cache_refs, layer, block_ids, kv_head, qs, valid):
     return dot_nt(qs[0], k.reshape(keys, dim)), v.reshape(keys, dim)
 
 
-def check_gqa_shapes(q, k_cache):
+def check_gqa_shapes(q, k_cache, v_cache):
+    """q: [T, H, D]; both caches [L, num_blocks, bs, Hkv, D], with H a multiple of Hkv."""
+    if v_cache.shape != k_cache.shape or k_cache.ndim != 5 or k_cache.shape[-1] != q.shape[-1]:
+        raise ValueError(f"the K and V caches must both be [L, num_blocks, bs, Hkv, {q.shape[-1]}] "
+                         f"(the query's head dim), got {k_cache.shape} and {v_cache.shape}")
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[3]
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
@@ -278,6 +282,9 @@ def default_knobs(cache, key_bytes, max_pages, num_programs, pages_per_step, num
     """(pages_per_step, num_splits) with None filled in by the defaults; the split count is
     at most the number of steps. `key_bytes`: bytes of one cached key (and value) row."""
     block_size = cache.shape[2]
+    if pages_per_step is not None and (pages_per_step < 1 or pages_per_step != next_pow2(pages_per_step)):
+        raise ValueError(f"pages_per_step must be a power of two (a step's keys tile a Triton block), "
+                         f"got {pages_per_step}")
     pages = pages_per_step or default_pages_per_step(block_size, key_bytes)
     num_steps = -(-max_pages // pages)
     if num_splits is None:
@@ -298,7 +305,7 @@ def paged_attention(q, k_cache, v_cache, layer, seq_lens, block_tables, *, sm_sc
     Grid (S, Hkv, num_splits); None knobs take the defaults (module docstring).
     Returns [S, H, D] in q's dtype.
     """
-    check_gqa_shapes(q, k_cache)
+    check_gqa_shapes(q, k_cache, v_cache)
     num_seqs = q.shape[0]
     num_kv_heads = k_cache.shape[3]
     key_bytes = 2 * k_cache.shape[4] * k_cache.dtype.itemsize  # K and V

@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import (check_gqa_shapes, default_knobs, gqa_block_fn,
+from pallas_kernels.paged_attention import (check_gqa_shapes, check_pow2, default_knobs, gqa_block_fn,
                                             next_pow2, paged_tiles_attention)
 
 TILE_ROWS = 64  # rows (tokens x heads of a KV head) per program in mixed batches
@@ -97,7 +97,8 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, query_start_loc, seq_lens
     Knobs (static; None: the defaults): `tile_rows` (tokens x heads per program),
     `pages_per_step`, `num_splits` (of the decode tiles), `num_warps`, `num_stages`.
     Returns [T, H, D] in q's dtype; padded tokens get zeros."""
-    check_gqa_shapes(q, k_cache)
+    check_gqa_shapes(q, k_cache, v_cache)
+    check_pow2("tile_rows", tile_rows)
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
     num_kv_heads = k_cache.shape[3]
     group = q.shape[1] // num_kv_heads

@@ -277,6 +277,43 @@ def test_flash_prefill_varlen(rng, lens, num_tokens, heads, kv_heads, head_dim, 
     assert_matches(out, varlen_reference(q, k, v, lens), dtype)
 
 
+def test_flash_prefill_keeps_one_requests_non_finite_values_to_itself(rng):
+    """Requests packed in one row share key tiles: request B's inf/NaN values (an overflowing
+    float16 activation) must not reach request A's rows through a masked p = 0 (0 * inf is NaN)."""
+    lens, d = (5, 5, 22), 16
+    q, k, v = (jnp.asarray(rng.standard_normal((sum(lens), 2, d)), jnp.float32) for _ in range(3))
+    v = v.at[7].set(jnp.nan).at[12].set(jnp.inf)  # in B's rows (5..9) and C's (10..31)
+    segments = prefill_segment_starts(jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32), sum(lens))
+    out = flash_prefill(q, k, v, segments, sm_scale=d ** -0.5, block_q=16, block_k=16, interpret=INTERPRET)
+    assert_matches(out[:5], varlen_reference(q[:5], k[:5], v[:5], [5]), jnp.float32)
+
+
+def test_kernels_refuse_inputs_they_would_compute_wrong(rng):
+    """Shapes that the kernels would read wrongly or out of bounds, and tuning knobs that only a
+    GPU compilation would refuse, are refused on any host."""
+    batch = make_batch(rng, "mixed", block_size=BS)
+    q, k, v, layer = gqa_inputs(rng, batch, num_kv_heads=2, group=2)
+    for bad_v in (v[..., :1, :], jnp.concatenate([v, v], axis=-1)):  # other KV heads; another head dim
+        with pytest.raises(ValueError, match="K and V caches must both be"):
+            ragged_paged_attention(q, k, bad_v, layer, *batch.args(), sm_scale=1.0, interpret=INTERPRET)
+    for knobs, name in ((dict(tile_rows=48), "tile_rows"), (dict(pages_per_step=3), "pages_per_step")):
+        with pytest.raises(ValueError, match=name):
+            ragged_paged_attention(q, k, v, layer, *batch.args(), sm_scale=1.0, interpret=INTERPRET, **knobs)
+    ql, qr, lat, layer = mla_inputs(rng, batch, heads=2, rank=16, rope=16)
+    for bad in ((ql, qr, jnp.concatenate([lat, lat[..., :16]], axis=-1)), (ql, qr[:, :1], lat)):
+        with pytest.raises(ValueError, match="latent cache"):
+            mla_ragged_paged_attention(*bad, layer, *batch.args(), sm_scale=1.0, interpret=INTERPRET)
+    x = jnp.zeros((2, 16, 2, 16), jnp.float32)
+    for args, kwargs, message in (
+        ((x, x[:1], x[:1]), {}, "k and v must both be"),  # another batch
+        ((x, x, x[:, :, :1]), {}, "k and v must both be"),  # V with other KV heads than K
+        ((x, x[:, :8], x[:, :8]), {}, "Tq 16 > Tk 8"),  # rows before position 0
+        ((x, x, x), dict(block_q=24), "block_q"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            flash_attention(*args, interpret=INTERPRET, **kwargs)
+
+
 def test_flash_prefill_keeps_bfloat16_scores_in_float32(rng):
     """Large logits (q and k of std 3: scores of std 9): the softmax scale is applied to the float32
     scores; folded into a bfloat16 q, it rounded each query again and the error was 4x."""
