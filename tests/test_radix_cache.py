@@ -184,6 +184,9 @@ def test_insert_validates_before_changing_anything():
         tree.insert(list(range(8)), blocks[:1])
     with pytest.raises(ValueError, match="not held"):
         tree.insert(list(range(8)), [blocks[0], 5])
+    for bad in ([blocks[0], blocks[0]], [blocks[0], -1], [blocks[0], 8]):  # one block twice; no such block
+        with pytest.raises(ValueError, match="out of range, the null block, or listed twice"):
+            tree.insert(list(range(8)), bad)
     assert tree.insert([1, 2, 3], blocks) == (None, [])
     assert pool.num_cached == 0 and not tree._roots
     tree.check_invariants()

@@ -107,7 +107,7 @@ class BlockPool:
         Each block must be in use or evictable (an evictable block leaves the eviction queue).
         Raises ValueError for a free block, the null block, an unknown id or a block listed twice.
         """
-        self._check_distinct(blocks)
+        self.check_distinct(blocks)
         for b in blocks:
             if self._ref[b] == 0 and b not in self._evictable:
                 raise ValueError(f"block {b} is neither in use nor cached: it cannot be shared")
@@ -126,7 +126,7 @@ class BlockPool:
         sequence tail first: its last block is evicted first) when cached, free otherwise.
         Raises ValueError (double free) when a block has no reference, is listed twice or is not a usable id.
         """
-        self._check_distinct(blocks)
+        self.check_distinct(blocks)
         for b in blocks:
             if self._ref[b] <= 0:
                 raise ValueError(f"double free: block {b} has ref count 0")
@@ -183,7 +183,8 @@ class BlockPool:
         assert self._num_cached == sum(c is not None for c in self._content), "cached counter drifted"
         assert self._extra_refs == sum(max(r - 1, 0) for r in self._ref), "extra-ref counter drifted"
 
-    def _check_distinct(self, blocks: Iterable[int]) -> None:
+    def check_distinct(self, blocks: Iterable[int]) -> None:
+        """ValueError unless `blocks` are distinct ids of real blocks (not the null block)."""
         seen: set[int] = set()
         for b in blocks:
             if b in seen or not NULL_BLOCK < b < self.num_blocks:

@@ -116,11 +116,13 @@ class RadixCache:
         the path (None when there is no full page) and the canonical block of every page; the
         caller swaps its duplicates for those, then locks the path. It must hold (ref >= 1) every
         block it passes. ValueError, with nothing changed, when a passed block is cached
-        somewhere other than at its page here, or when `blocks` is too short.
+        somewhere other than at its page here, when `blocks` is too short, or when its pages'
+        blocks are not distinct real blocks.
         """
         num_pages = len(tokens) // self.block_size
         if len(blocks) < num_pages:
             raise ValueError(f"{num_pages} full pages but only {len(blocks)} blocks")
+        self.pool.check_distinct(blocks[:num_pages])
         found = self._walk(tokens, namespace, num_pages)
         done = len(found.blocks)
         for i in range(num_pages):

@@ -85,7 +85,9 @@ class Insertion:
     def undo(self) -> None:
         """Take the key out of the tree again, as if never inserted, except for the LRU refresh of
         its path: the nodes no other stored key ends at or passes through go. A no-op for what was
-        evicted meanwhile. ValueError when undone already."""
+        evicted meanwhile: a prefix the evicted key shared with other keys stays even when those
+        are undone too (a leaf's eviction leaves no record of the keys that passed through its
+        parent; the prefix goes when evicted in turn). ValueError when undone already."""
         if self.undone:
             raise ValueError("this insertion was undone already")
         self.undone = True
