@@ -280,6 +280,28 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     )
 
 
+# generation_config.json's sampling settings that vLLM takes as a model's default sampling parameters,
+# and the SamplingParams field each sets
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults_from_file(path: str | Path) -> dict[str, Any]:
+    """The sampling defaults a model's `generation_config.json` sets (SamplingParams field -> value;
+    null values are unset), as vLLM reads them; {} when there is no such file. ConfigError (naming the
+    file) for one that is not a JSON object."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    try:
+        settings = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ConfigError(f"{path} is not a usable generation_config.json: {exc}") from None
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{path} is not a usable generation_config.json: not a JSON object")
+    return {field: settings[key] for key, field in GENERATION_CONFIG_FIELDS.items() if settings.get(key) is not None}
+
+
 def model_config_from_hf_file(path: str | Path) -> ModelConfig:
     """`model_config_from_hf` of the file; ConfigError (naming the file) for one that is not a JSON object
     or lacks a key the architecture needs."""
@@ -407,7 +429,9 @@ class EngineConfig:
     `DEFAULT_MAX_DELAY`. Each is None under a policy that does not read it, and giving it one is
     refused (it would have no effect).
     `attention_backend`, `compilation_cache_dir` and `coordinator_address` are None for their
-    default, never empty.
+    default, never empty. `generation_config` (vLLM's flag): "auto" takes a model folder's
+    `generation_config.json` sampling settings as the default sampling parameters
+    (`LLMEngine.generation_defaults`), "vllm" ignores them.
     """
 
     max_num_batched_tokens: int = Default(DEFAULT_MAX_NUM_BATCHED_TOKENS)
@@ -433,6 +457,7 @@ class EngineConfig:
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    generation_config: Literal["auto", "vllm"] = "auto"
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -457,6 +482,8 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.scheduling_policy not in ("continuous", "static", "dynamic"):
             raise ConfigError(f"unknown scheduling_policy {self.scheduling_policy!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ConfigError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
         if self.queue_order not in ("fcfs", "lpm"):
             raise ConfigError(f"unknown queue_order {self.queue_order!r}")
         if isinstance(self.max_num_batched_tokens, Default):

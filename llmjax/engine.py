@@ -184,12 +184,29 @@ class _Parent:
     prompt_logprobs_sent: bool = False  # its prompt logprobs were in an output
 
 
+def _generation_defaults(model: LoadedModel, config: EngineConfig) -> dict:
+    """The model's sampling defaults under `config.generation_config` (logged when there are any);
+    ConfigError for values no request could take."""
+    if config.generation_config != "auto" or not model.generation_defaults:
+        return {}
+    try:
+        SamplingParams(**model.generation_defaults)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"the model's generation_config.json: {exc}") from None
+    log.warning("the model's generation_config.json sets the default sampling parameters %s (a request's own "
+                "values win; generation_config='vllm' ignores the file)", model.generation_defaults)
+    return dict(model.generation_defaults)
+
+
 class LLMEngine:
     def __init__(self, model: LoadedModel, tokenizer: Tokenizer | CharTokenizer, config: EngineConfig):
         """Raises `ConfigError` when `config` cannot run this model (a `max_model_len` set above the
         model's context, a dtype the weights were not loaded in, ...). The default `max_model_len`
-        is capped at the model's context (logged)."""
+        is capped at the model's context (logged). `generation_defaults`: the sampling defaults of the
+        model's generation_config.json (SamplingParams field -> value) under
+        `config.generation_config` "auto", {} under "vllm"."""
         config = _fit_max_model_len(config, model.config.max_position_embeddings)
+        self.generation_defaults = _generation_defaults(model, config)
         model = parallel.prepare_model(model, config.tensor_parallel_size)
         self.config = config
         self.model_config = model.config
@@ -250,12 +267,13 @@ class LLMEngine:
         namespace: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Validate and queue a request (text or token ids) with its `params.n` samples.
+        """Validate and queue a request (text or token ids) with its `params.n` samples (`params`
+        None: SamplingParams' defaults over the model's `generation_defaults`).
 
         Raises `RequestError` for a request the engine refuses, or whatever preparing it raised (the
         tokenizer, say); either way nothing is queued and no other request is affected.
         """
-        params = params or SamplingParams()
+        params = params or SamplingParams(**self.generation_defaults)
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
         if request_id is None:

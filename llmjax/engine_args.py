@@ -66,6 +66,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="default (or auto): bfloat16 on a GPU and on a CPU with AVX512-BF16 or AMX-BF16, "
                              "float32 on other CPUs")
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--generation-config", choices=("auto", "vllm"), default=d.generation_config,
+                        help="auto: a model folder's generation_config.json sets the default temperature, "
+                             "top_p, top_k, min_p, repetition_penalty and max_tokens (a cap) of requests that "
+                             "do not set them; vllm: ignore it")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                         help="dispatch each step before the previous one's tokens reach the host")
     parser.add_argument("--stream-interval", type=int, default=d.stream_interval,

@@ -82,6 +82,11 @@ class LLM:
             raise ConfigError("max_delay has no effect on the LLM API: every prompt is queued at once, so a dynamic "
                               "batch never waits for more")
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a prompt given no SamplingParams gets (vLLM's): SamplingParams' defaults, over which
+        the model's generation_config.json settings (`LLMEngine.generation_defaults`)."""
+        return SamplingParams(**self.engine.generation_defaults)
+
     def get_tokenizer(self) -> Tokenizer | CharTokenizer:
         """The engine's tokenizer (vLLM's `LLM.get_tokenizer`): `encode`, `decode`, `encode_chat`;
         a model's HF tokenizer is its `hf` (what vLLM's returns: `apply_chat_template`, `eos_token_id`)."""
@@ -172,7 +177,7 @@ class LLM:
         if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
             raise TypeError(f"use_tqdm is a bool or a callable that makes a tqdm bar, got {use_tqdm!r:.80}")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         elif not (isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes))
                   and all(isinstance(sp, SamplingParams) for sp in sampling_params)):
             raise TypeError("sampling_params is a SamplingParams or a list of them, one per prompt, got "

@@ -410,3 +410,38 @@ def test_bfloat16_layer_weights_stored_as_bits_compute_the_same():
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)))
     np.testing.assert_array_equal(np.asarray(nnx.merge(graphdef, stored)(tokens)),
                                   np.asarray(nnx.merge(graphdef, plain)(tokens)))
+
+
+def test_a_folders_generation_config_sets_the_default_sampling_parameters(tmp_path):
+    """vLLM's generation_config "auto": generation_config.json's temperature, top_p, top_k, min_p,
+    repetition_penalty and max_new_tokens (as max_tokens) are the defaults of a request given no
+    SamplingParams; "vllm" ignores the file; values no request could take are refused."""
+    from llmjax.config import EngineConfig
+    from llmjax.engine import LLMEngine
+    from llmjax.sampling_params import SamplingParams
+    from llmjax.tokenizer import CharTokenizer
+    from tests.engine_helpers import drain
+
+    _save_hf(tmp_path, "LlamaConfig", dict(LLAMA, num_key_value_heads=2))
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": False, "temperature": 0.0, "top_k": 7, "repetition_penalty": None, "max_new_tokens": 3,
+         "bos_token_id": 1}))
+    loaded = load_model(str(tmp_path))
+    assert loaded.generation_defaults == {"temperature": 0.0, "top_k": 7, "max_tokens": 3}
+    config = EngineConfig(max_num_seqs=4, max_model_len=64, kv_cache_memory_bytes=1 << 20, dtype="float32")
+
+    def run(engine, params=None):
+        [output] = drain(engine, [engine.add_request([5, 6, 7], params)])
+        return output.outputs[0].token_ids
+
+    auto = LLMEngine(loaded, CharTokenizer(), config)
+    expected = run(auto, SamplingParams(temperature=0.0, top_k=7, max_tokens=3))
+    assert run(auto) == expected and len(expected) == 3
+    ignored = LLMEngine(loaded, CharTokenizer(), config.replace(generation_config="vllm"))
+    assert ignored.generation_defaults == {}
+    ignored.add_request([5, 6, 7])
+    assert ignored.scheduler.waiting[0].sampling_params == SamplingParams()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1.0}))
+    with pytest.raises(ConfigError, match="generation_config.json: temperature"):
+        LLMEngine(load_model(str(tmp_path)), CharTokenizer(), config)
+

@@ -189,3 +189,17 @@ def test_an_omitted_field_means_what_it_means_offline():
     for name in shared:
         api_default = CompletionRequest.model_fields[name].default
         assert api_default == offline[name] or (api_default is None and offline[name] in ((), [])), name
+
+
+def test_the_models_generation_config_fills_the_fields_a_request_leaves_out(offline):
+    """A model's generation_config.json defaults (`LLMEngine.generation_defaults`, read by the loader)
+    apply to the fields a request does not send; a sent field wins; its max_tokens caps the request's."""
+    engine = tiny_engine(**ENGINE_ARGS)
+    engine.generation_defaults = {"temperature": 0.0, "top_k": 3, "max_tokens": 5}
+    greedy = generate(offline, temperature=0.0, max_tokens=5, ignore_eos=True)
+    filtered = generate(offline, **{**SAMPLED, "max_tokens": 5}, top_k=3)
+    assert filtered.text != generate(offline, **{**SAMPLED, "max_tokens": 5}).text  # the default top_k matters
+    with running_server(build_app(engine, MODEL)) as url, httpx.Client(base_url=url, timeout=120) as c:
+        choice = complete(c, ignore_eos=True)  # OpenAI's default max_tokens, 16, capped at 5
+        assert (choice["text"], len(greedy.token_ids)) == (greedy.text, 5)
+        assert complete(c, **SAMPLED)["text"] == filtered.text  # its own temperature and seed, the default top_k

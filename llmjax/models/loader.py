@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from llmjax.config import (PRESETS, ConfigError, ModelConfig, model_config_from_gguf_metadata,
-                           model_config_from_hf_file)
+from llmjax.config import (PRESETS, ConfigError, ModelConfig, generation_defaults_from_file,
+                           model_config_from_gguf_metadata, model_config_from_hf_file)
 from llmjax.models.transformer import Transformer, pack_linear_weights, store_layer_weights
 from llmjax.attention import native
 from llmjax.ops import packed_matmul
@@ -360,12 +361,15 @@ def _check_all_used(reader, used: set[str], path: Path) -> None:
 
 @dataclass
 class LoadedModel:
-    """A model ready to run: config, NNX graph and parameter state, and where it came from."""
+    """A model ready to run: config, NNX graph and parameter state, and where it came from;
+    `generation_defaults`: the sampling defaults of a folder's generation_config.json
+    (`config.generation_defaults_from_file`)."""
 
     config: ModelConfig
     graphdef: nnx.GraphDef
     params: nnx.State
     source: ModelSource
+    generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def module(self) -> Transformer:
         return nnx.merge(self.graphdef, self.params)
@@ -374,6 +378,7 @@ class LoadedModel:
 def load_model(source: str | None = None, *, dtype=jnp.float32, seed: int = 0) -> LoadedModel:
     """Load (or randomly initialise) a model; see the module docstring for `source`."""
     src = resolve_source(source)
+    generation_defaults = {}
     if src.kind == "preset":
         cfg = PRESETS[src.name]
         graphdef, params = random_params(cfg, dtype, seed)
@@ -384,6 +389,7 @@ def load_model(source: str | None = None, *, dtype=jnp.float32, seed: int = 0) -
         graphdef, params = build_params(cfg, dtype, get)
         _check_tied_head(names, get, cfg, src.path)
         _check_hf_all_used(names, used, cfg, src.path)
+        generation_defaults = generation_defaults_from_file(src.path / "generation_config.json")
     else:
         reader = read_gguf(src.path)
         cfg = _gguf_config(reader, src.path)
@@ -392,7 +398,7 @@ def load_model(source: str | None = None, *, dtype=jnp.float32, seed: int = 0) -
         _check_all_used(reader, used, src.path)
     if packed_matmul.enabled(dtype):
         graphdef, params = pack_linear_weights(graphdef, params)
-    return LoadedModel(cfg, graphdef, store_layer_weights(params), src)
+    return LoadedModel(cfg, graphdef, store_layer_weights(params), src, generation_defaults)
 
 
 # x86 features with bfloat16 dot instructions: AVX512-BF16's VDPBF16PS (which XLA:CPU's bfloat16 x

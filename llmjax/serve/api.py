@@ -133,6 +133,7 @@ class OpenAIServer:
                                      cache_config)
         self.async_engine.on_finished = self.metrics.observe_finished
         self.tokenizer = engine.tokenizer
+        self.generation_defaults = engine.generation_defaults
         self.vocab_size = engine.model_config.vocab_size
         self.max_model_len = engine.config.max_model_len
         self.model_name = model_name
@@ -233,7 +234,8 @@ class OpenAIServer:
     async def completions(self, body: p.CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self._check_model(body.model)
-        params, prompts, request_id, created = body.sampling_params(), body.prompts(), p.random_id("cmpl"), p.now_s()
+        params, prompts = body.sampling_params(self.generation_defaults), body.prompts()
+        request_id, created = p.random_id("cmpl"), p.now_s()
         prompt_ids = await asyncio.to_thread(self._token_ids, prompts) if any(isinstance(q, str) for q in prompts) \
             else prompts
         stream, index = await self._open(prompt_ids, params, request_id, body.cache_salt, arrival)
@@ -310,7 +312,7 @@ class OpenAIServer:
     async def chat_completions(self, body: p.ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         self._check_model(body.model)
-        params, request_id, created = body.sampling_params(), p.random_id("chatcmpl"), p.now_s()
+        params, request_id, created = body.sampling_params(self.generation_defaults), p.random_id("chatcmpl"), p.now_s()
         prompt_ids = await asyncio.to_thread(self._chat_ids, body.messages, body.add_generation_prompt,
                                              continue_final_message=body.continue_final_message)
         sent = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from types import MappingProxyType
 from typing import Annotated, Any, ClassVar, Literal, Mapping, Sequence
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
@@ -131,23 +132,29 @@ class _SamplingRequest(StrictRequest):
     def continuous_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+    def _sampling_params(self, defaults: Mapping[str, Any], max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
-        """Raises `SamplingParamsError` for a bad value."""
+        """Raises `SamplingParamsError` for a bad value. `defaults`: the model's sampling defaults
+        (`LLMEngine.generation_defaults`) for the fields the client did not send; a default
+        `max_tokens` caps the request's (as vLLM's server applies a generation config's
+        `max_new_tokens`)."""
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options", "stream_options can only be given with stream: true")
         if self.continuous_usage and not self.include_usage:
             raise SamplingParamsError("stream_options", "stream_options.continuous_usage_stats needs include_usage")
+        sampling = {name: defaults[name] if name in defaults and name not in self.model_fields_set else
+                    getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        if defaults.get("max_tokens") is not None:
+            max_tokens = defaults["max_tokens"] if max_tokens is None else min(max_tokens, defaults["max_tokens"])
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            n=self.n, **sampling,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=() if self.stop is None else self.stop,  # "" reaches SamplingParams, which refuses it
             stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            logit_bias=self.logit_bias,
+            frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
@@ -193,7 +200,8 @@ class CompletionRequest(_SamplingRequest):
             return [self.prompt]
         return list(self.prompt)
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any] = MappingProxyType({})) -> SamplingParams:
+        """This request's parameters over the model's `defaults` (see `_sampling_params`)."""
         if self.best_of not in (None, 1):
             raise SamplingParamsError("best_of", "only best_of=1 is supported")
         if self.best_of is not None and self.best_of < self.n:
@@ -201,7 +209,8 @@ class CompletionRequest(_SamplingRequest):
         if self.max_tokens == 0 and not self.echo:
             raise SamplingParamsError("max_tokens", "max_tokens must be at least 1 (0 only with echo), got 0")
         prompt_logprobs = self.logprobs if self.echo else None
-        return self._sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(defaults, 1 if self.echo_only else self.max_tokens, self.logprobs,
+                                     prompt_logprobs)
 
     @property
     def echo_only(self) -> bool:
@@ -252,13 +261,14 @@ class ChatCompletionRequest(_SamplingRequest):
     # vLLM's: the reply goes on with the last message's text (with add_generation_prompt false)
     continue_final_message: bool = False
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any] = MappingProxyType({})) -> SamplingParams:
+        """This request's parameters over the model's `defaults` (see `_sampling_params`)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs", "top_logprobs needs logprobs: true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
         try:
-            return self._sampling_params(max_tokens, logprobs)
+            return self._sampling_params(defaults, max_tokens, logprobs)
         except SamplingParamsError as exc:  # report the fields the client sent
             param, message = exc.param, str(exc)
             if param == "logprobs":
