@@ -59,23 +59,38 @@ def check_server_policy(args: argparse.Namespace) -> None:
         raise UsageError(STATIC_ON_SERVER)
 
 
-def sampling_params_from_args(args: argparse.Namespace):
-    """`llmjax generate`'s `SamplingParams`; UsageError naming the flag for an invalid value."""
+GENERATE_DEFAULTS = {"temperature": 0.0, "max_tokens": 128}  # greedy, unless the model or a flag says otherwise
+
+
+def sampling_params_from_args(args: argparse.Namespace, model_defaults: dict | None = None):
+    """`llmjax generate`'s `SamplingParams`: its flags over the model's generation-config defaults
+    (`LLMEngine.generation_defaults`) over `GENERATE_DEFAULTS`. UsageError naming the flag for an
+    invalid value, and for `--top-p` under greedy decoding, where it could have no effect."""
     from llmjax.sampling_params import SamplingParams, SamplingParamsError
 
+    flags = {name: getattr(args, name) for name in ("temperature", "top_p", "max_tokens")
+             if getattr(args, name) is not None}
     try:
-        return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, top_p=args.top_p)
+        params = SamplingParams(**{**GENERATE_DEFAULTS, **(model_defaults or {}), **flags})
     except SamplingParamsError as exc:
         flag = f"--{exc.param.replace('_', '-')}: " if exc.param else ""
         raise UsageError(f"{flag}{exc}") from None
+    # before the model is loaded (`model_defaults` None), only a greedy --temperature given with it
+    if "top_p" in flags and params.greedy and (model_defaults is not None or "temperature" in flags):
+        raise UsageError("--top-p has no effect at temperature 0 (greedy decoding takes the likeliest token): "
+                         "give --temperature above 0")
+    return params
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from llmjax.llm import LLM
 
-    params = sampling_params_from_args(args)
     with exit_on_user_error():
         llm = LLM(args.model, seed=args.seed, engine_config=engine_config_from_args(args))
+    try:
+        params = sampling_params_from_args(args, llm.engine.generation_defaults)
+    except UsageError as exc:
+        sys.exit(f"error: {exc}")
     try:
         if args.raw:
             [out] = llm.generate(args.prompt, params)
@@ -125,9 +140,12 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--max-tokens", type=int, default=None,
+                     help="default: the model's generation config's max_new_tokens, else "
+                          f"{GENERATE_DEFAULTS['max_tokens']}")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="default: the model's generation config's, else 0 (greedy)")
+    gen.add_argument("--top-p", type=float, default=None, help="default: the model's generation config's, else 1")
     gen.set_defaults(func=cmd_generate, checks=(check_engine_args, check_generate_args, sampling_params_from_args))
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")

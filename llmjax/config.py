@@ -516,6 +516,10 @@ class EngineConfig:
             raise ConfigError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.coordinator_address is None and (self.num_processes, self.process_id) != (None, None):
             raise ConfigError("num_processes and process_id need a coordinator_address")
+        if self.coordinator_address is not None:
+            host, _, port = self.coordinator_address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"coordinator_address must be host:port, got {self.coordinator_address!r}")
         if self.num_processes is not None and not 0 <= (self.process_id or 0) < self.num_processes:
             raise ConfigError(f"process_id must be in [0, num_processes={self.num_processes}), got {self.process_id}")
 

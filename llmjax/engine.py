@@ -38,7 +38,7 @@ from llmjax import parallel
 from llmjax.attention.cache_dtype import value_dtype
 from llmjax.config import DEFAULT_GPU_MEMORY_UTILIZATION, ConfigError, Default, EngineConfig
 from llmjax.kv.manager import KVCacheManager
-from llmjax.kv.sizing import device_memory_stats, kv_budget_bytes, num_blocks_from_budget
+from llmjax.kv.sizing import check_fits_host_memory, device_memory_stats, kv_budget_bytes, num_blocks_from_budget
 from llmjax.models.loader import LoadedModel, default_dtype, load_model
 from llmjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from llmjax.request import MAX_NAMESPACE_CHARS, Request, RequestStatus
@@ -231,6 +231,9 @@ class LLMEngine:
         bytes_per_token = parallel.kv_bytes_per_token_per_device(model.config, kv_dtype.itemsize,
                                                                  config.tensor_parallel_size)
         self.num_blocks = num_blocks_from_budget(budget, config.block_size, bytes_per_token)
+        if device_memory_stats() is None:  # the cache lives in host memory, one copy per (virtual) device
+            check_fits_host_memory(self.num_blocks * config.block_size * bytes_per_token
+                                   * config.tensor_parallel_size)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, eos_token_ids=self.eos_token_ids, build_step_inputs=True)
         self.runner = ModelRunner(model, config, self.num_blocks, kv_dtype, self.eos_token_ids)

@@ -49,7 +49,12 @@ def initialize_distributed(config: EngineConfig) -> None:
     """
     if config.coordinator_address is None or jax.distributed.is_initialized():
         return
-    jax.distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
+    try:
+        jax.distributed.initialize(config.coordinator_address, config.num_processes, config.process_id)
+    except (ValueError, RuntimeError) as exc:  # num_processes or process_id neither given nor found in the
+        # environment; a process that ran JAX computations before
+        raise ConfigError(f"joining the multi-host run at {config.coordinator_address} failed: {exc} (give "
+                          "num_processes and process_id where the environment does not say them)") from None
 
 
 def validate(cfg: ModelConfig, tp: int) -> None:

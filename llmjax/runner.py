@@ -40,7 +40,7 @@ from tqdm import tqdm
 from llmjax import parallel
 from llmjax.attention.backend import get_attention_backend
 from llmjax.buckets import Shape, StepBuckets
-from llmjax.config import EngineConfig
+from llmjax.config import ConfigError, EngineConfig
 from llmjax.models.loader import LoadedModel
 from llmjax.models.transformer import init_cache
 from llmjax.sampler import PenaltyState, prompt_logprobs, sample
@@ -52,7 +52,16 @@ log = logging.getLogger(__name__)
 
 
 def enable_compilation_cache(path: str | None = None) -> None:
-    """Turn on JAX's persistent compilation cache (default: ~/.cache/llmjax/jax)."""
+    """Turn on JAX's persistent compilation cache (default: ~/.cache/llmjax/jax). A `path` given
+    that cannot be a writable directory is a ConfigError (JAX would only warn, and compile anew in
+    every process)."""
+    if path is not None:
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"compilation_cache_dir {path!r} cannot be a directory: {exc}") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"compilation_cache_dir {path!r} is not a writable directory")
     path = path or os.environ.get("LLMJAX_COMPILATION_CACHE", str(Path.home() / ".cache" / "llmjax" / "jax"))
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

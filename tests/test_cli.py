@@ -123,6 +123,7 @@ def test_a_server_refuses_the_multi_host_flags(usage_error, command):
 @pytest.mark.parametrize("flags, message", [(["--temperature", "-1"], "--temperature: temperature must be >= 0"),
                                             (["--max-tokens", "0"], "--max-tokens: max_tokens"),
                                             (["--top-p", "1.5"], "--top-p: top_p"),
+                                            (["--top-p", "0.5", "--temperature", "0"], "--top-p has no effect"),
                                             (["--stream-interval", "4"], "--stream-interval has no effect"),
                                             (["--queue-order", "lpm", "--enable-prefix-caching"],
                                              "--queue-order has no effect"),
@@ -151,7 +152,38 @@ def test_shapes_the_pallas_kernels_cannot_tile_are_an_error_when_the_engine_is_b
     line, status = cli_error(command[0], "tiny-gqa", *command[2:], "--attention-backend", "pallas-interpret",
                              "--block-size", "8")
     assert status == 1 and line.startswith(
-        "error: attention backend 'pallas': Pallas paged attention needs block_size a power of two >= 16, got 8"), line
+        "error: the Pallas attention backends: Pallas paged attention needs block_size a power of two >= 16, "
+        "got 8"), line
+
+
+def test_top_p_under_the_default_greedy_decoding_is_an_error(cli_error):
+    """Without --temperature (and no generation config on the model), generate decodes greedily:
+    a --top-p could have no effect."""
+    line, status = cli_error("generate", "tiny-gqa", "--prompt", "hi", "--top-p", "0.5", "--attention-backend", "xla")
+    assert status == 1 and line.startswith("error: --top-p has no effect at temperature 0"), line
+
+
+def test_a_coordinator_address_without_a_port_is_refused(usage_error):
+    usage_error(["generate", "tiny-gqa", "--prompt", "hi", "--coordinator-address", "notahost"],
+                "coordinator_address must be host:port")
+
+
+def test_a_multi_host_run_that_cannot_start_is_an_error(cli_error):
+    line, status = cli_error("generate", "tiny-gqa", "--prompt", "hi", "--coordinator-address", "127.0.0.1:29511")
+    assert status == 1 and line.startswith("error: joining the multi-host run at 127.0.0.1:29511 failed"), line
+
+
+def test_a_kv_budget_beyond_the_hosts_memory_is_an_error(cli_error):
+    line, status = cli_error("generate", "tiny-gqa", "--prompt", "hi", "--kv-cache-memory", str(10**15),
+                             "--attention-backend", "xla")
+    assert status == 1 and line.startswith("error: the KV cache would take"), line
+
+
+def test_a_compilation_cache_dir_that_cannot_be_a_directory_is_an_error(cli_error, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    line, status = cli_error("generate", "tiny-gqa", "--prompt", "hi", "--compilation-cache-dir",
+                             str(tmp_path / "a-file"), "--attention-backend", "xla")
+    assert status == 1 and line.startswith(f"error: compilation_cache_dir '{tmp_path / 'a-file'}' cannot be"), line
 
 
 def test_a_kv_budget_below_two_blocks_is_an_error(cli_error):

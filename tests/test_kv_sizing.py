@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmjax.kv.sizing import kv_budget_bytes, num_blocks_from_budget
+from llmjax.config import ConfigError
+from llmjax.kv.sizing import check_fits_host_memory, kv_budget_bytes, num_blocks_from_budget
 
 MIB = 1 << 20
 
@@ -72,8 +73,16 @@ def test_engine_sizes_the_pool_from_the_device_report(monkeypatch):
 def test_engine_refuses_gpu_memory_utilization_without_a_device_report():
     """On CPU (no allocator report) a utilization could only be ignored: refused, naming the
     flag that sizes the pool there."""
-    from llmjax.config import ConfigError
     from tests.engine_helpers import tiny_engine
 
     with pytest.raises(ConfigError, match="gpu_memory_utilization .* reports none: size it with kv_cache_memory_bytes"):
         tiny_engine(kv_cache_memory_bytes=None, gpu_memory_utilization=0.5)
+
+
+def test_a_kv_cache_larger_than_the_hosts_available_memory_is_refused(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       25165824 kB\nMemFree:  1000 kB\nMemAvailable:   1048576 kB\n")  # 1 GiB
+    check_fits_host_memory(1 << 30, str(meminfo))
+    with pytest.raises(ConfigError, match="would take 1.0 GiB of host memory, but only 1.0 GiB is available"):
+        check_fits_host_memory((1 << 30) + 1, str(meminfo))
+    check_fits_host_memory(1 << 60, str(tmp_path / "absent"))  # no figure: no check

@@ -94,8 +94,8 @@ def _check_pallas_shapes(model_config, block_size: int, kv_dtype) -> None:
         try:
             check_pow2(what, n)
         except ValueError as exc:
-            raise ConfigError(f"attention backend 'pallas': {exc}; use another --block-size or "
-                              f"--attention-backend xla") from None
+            remedy = "use another --block-size or " if what == "block_size" else "the model cannot run there: use "
+            raise ConfigError(f"the Pallas attention backends: {exc}; {remedy}--attention-backend xla") from None
 
 
 def _pallas_plan(step, model_config, decode_only: bool):

@@ -32,6 +32,21 @@ def num_blocks_from_budget(budget_bytes: int, block_size: int, kv_bytes_per_toke
     return num_blocks
 
 
+def check_fits_host_memory(kv_bytes: int, meminfo: str = "/proc/meminfo") -> None:
+    """ConfigError when a KV cache held in host memory (a CPU backend) would take more than the
+    host's available memory (`MemAvailable`), where allocating it would fail or wake the OOM
+    killer. No check where that figure cannot be read."""
+    try:
+        with open(meminfo) as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return
+    if kv_bytes > available:
+        raise ConfigError(f"the KV cache would take {kv_bytes / 2**30:.1f} GiB of host memory, but only "
+                          f"{available / 2**30:.1f} GiB is available: lower --kv-cache-memory")
+
+
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if value < 1:
