@@ -251,8 +251,9 @@ def kernel_bench(d: dict, n: Numbers) -> str:
 def host_overhead(d: dict, n: Numbers) -> str:
     parts = [f"{n(r['concurrency'], 'd')} decodes, {r['outputs']} outputs: {n(r['sync_host_ms'], '.2f')} ms "
              f"({n(r['sync_cpu_ms'], '.2f')} ms thread CPU, {n(r['sync_runtime_cpu_ms'], '.2f')} ms of it in the "
-             f"jitted call and fetch), {n(r['hidden'], '.0%')} hidden" for r in d["rows"]]
-    c = d["cache_effect"]["final"]
+             f"jitted call and fetch), {n(r['hidden'], '.0%')} hidden (95% interval {n(r['hidden_interval'][0], '.0%')} "
+             f"to {n(r['hidden_interval'][1], '.0%')})" for r in d["rows"]]
+    c, delta = d["cache_effect"]["final"], d["cache_effect"]["delta"]
     return ("host time per decode step of a tiny model (synchronous, wall clock and the engine thread's CPU time), "
             "and the share asynchronous scheduling hides (the median over pairs of neighbouring blocks of a "
             "difference of noisy wall times over the host time, so it can come out negative or above all of it): "
@@ -263,10 +264,12 @@ def host_overhead(d: dict, n: Numbers) -> str:
             f"them; the jitted call {n(c['call_after_step'], '.0f', 1e6)} us of CPU right after a device step, "
             f"{n(c['call_back_to_back'], '.0f', 1e6)} us back to back; the fetch "
             f"{n(c['fetch_after_step'], '.0f', 1e6)} / {n(c['fetch_hot'], '.0f', 1e6)} us; so with hot caches a "
-            f"step's host work is {n(c['hot_host_ms'], '.2f')} ms" + "".join(
+            f"step's host work is {n(c['hot_host_ms'], '.2f')} ms (delta outputs: {n(delta['hot_host_ms'], '.2f')} ms)"
+            + "".join(
                 f"; on an emulated accelerator with {n(r['idle_device_ms'], 'g')} ms steps that use no host core, "
                 f"{n(r['concurrency'], 'd')} decodes, {r['outputs']} outputs: {n(r['sync_host_ms'], '.2f')} ms of "
-                f"host time, {n(r['hidden'], '.1%')} hidden ({n(r['hidden_by_device'], '.1%')} by the device's record)"
+                f"host time, {n(r['hidden'], '.1%')} hidden (95% interval {n(r['hidden_interval'][0], '.0%')} to "
+                f"{n(r['hidden_interval'][1], '.0%')}; {n(r['hidden_by_device'], '.1%')} by the device's record)"
                 for r in d.get("emulated_rows", ()) if r["concurrency"] == 256))
 
 
@@ -396,7 +399,7 @@ ROWS: list[tuple[str, str, Formatter]] = [
      offline_throughput),
     ("[offline_throughput, equal prompts](results/offline_throughput_equal.md) (an older engine, 094176c)",
      "results/offline_throughput_equal.json", offline_throughput),
-    ("[offline_throughput, equal prompts](results/offline_throughput_equal_epyc.md) (no AMX)",
+    ("[offline_throughput, equal prompts](results/offline_throughput_equal_epyc.md) (no AMX; engine 73b3e9e)",
      "results/offline_throughput_equal_epyc.json", offline_throughput),
     ("[offline_throughput, with llama.cpp](results/offline_throughput_peers_epyc.md) (no AMX; engine before its "
      "AVX512-BF16 matmul, b3f19d8)",

@@ -200,8 +200,9 @@ def plot(results: dict, path) -> None:
     for ax, (name, r) in zip(np.atleast_1d(axes), results.items()):
         for method, color in (("parallel sampling", "tab:blue"), ("beam search", "tab:orange")):
             ax.plot(WIDTHS, [100 * r[method][w] for w in WIDTHS], "o-", color=color, label=f"{method}, ours")
-            lo, hi = PAPER[name][method]
-            ax.axhspan(100 * lo, 100 * hi, color=color, alpha=0.15, label=f"{method}, paper's range")
+            lo, hi = PAPER[name][method]  # the paper's ends: at the smallest and the largest width
+            ax.plot([WIDTHS[0], WIDTHS[-1]], [100 * lo, 100 * hi], "s", color=color, mfc="none", ms=8,
+                    label=f"{method}, paper (at {WIDTHS[0]} and {WIDTHS[-1]})")
         ax.plot(WIDTHS, [100 * r[BOUND][w] for w in WIDTHS], "k--", lw=1,
                 label="beam search's ceiling (beams differ only in their newest token)")
         ax.set_xticks(WIDTHS)
