@@ -607,9 +607,10 @@ class LLMEngine:
     def _check_stop_strings(self, request: Request, state: _SequenceState, new_chars: int) -> None:
         """A stop string that ends in the new text (its last `new_chars` characters) ends the request
         (vLLM checks them before the length limits, so one found in a request the scheduler just ended
-        by length makes it a stop). Not before `min_tokens` tokens are out."""
+        by length makes it a stop). Only one that ends in the text of a token after the first
+        `min_tokens` (as vLLM's: the tokens that cannot be EOS cannot complete a stop string either)."""
         params = request.sampling_params
-        if len(request.output_token_ids) < params.min_tokens:
+        if len(request.output_token_ids) <= params.min_tokens:
             return
         text = state.unreturned  # text held back is at most the longest stop string less one character
         for stop in params.stop:

@@ -158,6 +158,24 @@ def test_stop_string_cuts_the_text():
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
 
 
+def test_a_stop_string_must_end_after_the_first_min_tokens_tokens():
+    """As in vLLM: the first `min_tokens` tokens can complete no stop string (as they can be no EOS);
+    the next occurrence, ending in a later token's text, stops the request."""
+    engine = tiny_engine()
+    greedy = dict(temperature=0.0, max_tokens=30, ignore_eos=True)
+    [full] = run_to_completion(engine, [PROMPTS[2]], SamplingParams(**greedy))
+    ids, text_of = full.outputs[0].token_ids, engine.tokenizer.decode
+    # a stop string that the min_tokens-th token completes and a later token completes again
+    m, stop = next((m, text_of(ids[m - 1 : m])) for m in range(3, 20)
+                   if text_of(ids[m - 1 : m]) and text_of(ids[m - 1 : m]) not in text_of(ids[: m - 1])
+                   and text_of(ids[m - 1 : m]) in text_of(ids[m:]))
+    [cut] = run_to_completion(engine, [PROMPTS[2]], SamplingParams(**greedy, stop=[stop], min_tokens=m))
+    later = text_of(ids).index(stop, len(text_of(ids[:m])))
+    assert (cut.outputs[0].text, cut.outputs[0].stop_reason) == (text_of(ids)[:later], stop)
+    [early] = run_to_completion(engine, [PROMPTS[2]], SamplingParams(**greedy, stop=[stop], min_tokens=m - 1))
+    assert early.outputs[0].text == text_of(ids[: m - 1])  # one token earlier it stops at the first
+
+
 def test_stop_token_ids_and_max_tokens():
     engine = tiny_engine()
     [full] = run_to_completion(engine, [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))

@@ -133,8 +133,9 @@ def expected_end(prompt: list[int], params: SamplingParams, tokens: list[int]):
     """Where vLLM's rules end a sample that generated `tokens`: (index of the token that ends it,
     finish reason, stop reason, text), or None when none of them does. An EOS (unless ignore_eos) or a
     stop id ends it once min_tokens tokens are out, its id kept and its text dropped (unless
-    include_stop_str_in_output); then a stop string completed by the token's text (after min_tokens;
-    cut from the text unless include_stop_str_in_output); then max_tokens or max_model_len."""
+    include_stop_str_in_output); then a stop string completed by the token's text (a token after the
+    first min_tokens; cut from the text unless include_stop_str_in_output); then max_tokens or
+    max_model_len."""
     text = ""
     for i, token in enumerate(tokens):
         n = i + 1
@@ -144,7 +145,7 @@ def expected_end(prompt: list[int], params: SamplingParams, tokens: list[int]):
             return i, "stop", None if eos else token, text + keep
         char = token_text(token)
         text += char
-        if char and n >= params.min_tokens:
+        if char and n > params.min_tokens:
             for stop in params.stop:
                 if text.endswith(stop):
                     return i, "stop", stop, text if params.include_stop_str_in_output else text[: -len(stop)]
