@@ -325,7 +325,7 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = list(prompt_ids[-self.CONTEXT:])
+        self.ids: list[int] = list(prompt_ids[-self.CONTEXT:])  # the byte-table strategy's (unused)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)  # ids before it are returned as text
         backend = getattr(getattr(tokenizer, "hf", None), "_tokenizer", None)
@@ -337,9 +337,7 @@ class IncrementalDetokenizer:
             self._table, self._utf8 = table, codecs.getincrementaldecoder("utf-8")("replace").decode
             self.add = self._add_bytes
             return
-        # a context ending in part of a character would put that character (as U+FFFD) in the output
-        while self.ids and tokenizer.decode(self.ids, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
-            self.ids.pop()
+        self.ids = self._context(list(prompt_ids))
         self.read_offset = len(self.ids)
         if isinstance(backend, tokenizers.Tokenizer) and DecodeStream is not None:
             self._backend = backend
@@ -352,6 +350,23 @@ class IncrementalDetokenizer:
                 self.add = self._add_windowed
         else:
             self.add = self._add_windowed
+
+    def _context(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt's last ids that give the output its context: the shortest suffix of at least
+        CONTEXT ids (up to 4 x CONTEXT) whose text holds no U+FFFD. A context starting inside a
+        character (byte-fallback tokens) decodes to U+FFFD, and some decoders then lose the first
+        output token's leading space; one ending inside a character would put it in the output.
+        With no such suffix, the last CONTEXT ids less those that end in part of a character."""
+        def clean(ids: list[int]) -> bool:
+            return "\ufffd" not in self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+        for size in range(min(self.CONTEXT, len(prompt_ids)), min(4 * self.CONTEXT, len(prompt_ids)) + 1):
+            if clean(prompt_ids[len(prompt_ids) - size:]):
+                return prompt_ids[len(prompt_ids) - size:]
+        ids = prompt_ids[-self.CONTEXT:]
+        while ids and self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens).endswith("\ufffd"):
+            ids.pop()
+        return ids
 
     def _add_bytes(self, token_id: int) -> str:
         try:

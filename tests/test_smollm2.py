@@ -311,6 +311,43 @@ def test_every_detokenizer_strategy_gives_the_held_back_text_when_the_output_end
         assert detokenizer.finish() == ""
 
 
+def _byte_fallback_tokenizer() -> Tokenizer:
+    """A SentencePiece-style tokenizer as Llama 2 / Mistral ship theirs: "▁" for spaces, characters
+    outside the vocabulary as byte tokens `<0xNN>`, and a decoder that strips the text's first space."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ("▁Hello", "▁the", "▁world", "東"):
+        vocab[piece] = len(vocab)
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
+                                             unk_token="<unk>"))
+
+
+@pytest.mark.parametrize("tail", ["😀😀", "😀東", "é東京😀", ""])
+def test_a_prompt_of_byte_tokens_keeps_the_first_output_tokens_space(tail, monkeypatch):
+    """A byte-fallback tokenizer (the streamed and windowed strategies): the prompt's last ids may
+    start inside a character; the context must not, or the decoder's strip takes the output's first
+    space. The text is HF's decode of prompt and output, less the prompt's."""
+    tokenizer = _byte_fallback_tokenizer()
+    hf = tokenizer.hf
+    byte_ids = [hf.convert_tokens_to_ids(f"<0x{b:02X}>") for b in tail.encode()]
+    prompt = [hf.convert_tokens_to_ids("▁Hello")] + byte_ids
+    output = [hf.convert_tokens_to_ids("▁the")] * 2 + [hf.convert_tokens_to_ids("▁world")]
+    expected = hf.decode(prompt + output)[len(hf.decode(prompt)):]
+    assert expected == " the the world"
+    streamed = IncrementalDetokenizer(tokenizer, prompt)
+    windowed = IncrementalDetokenizer(tokenizer, prompt)
+    windowed.add = windowed._add_windowed
+    assert streamed.add == streamed._add_streamed  # no byte table: these tokens are not byte-level
+    for detokenizer in (streamed, windowed):
+        assert "".join(map(detokenizer.add, output)) + detokenizer.finish() == expected
+
+
 def test_a_prompt_ending_inside_a_character_adds_nothing_to_the_text(ours):
     """The byte-level text is the decode of the output's ids alone: a character the prompt left
     incomplete shows no U+FFFD in the output, whether the output then starts a new character or
