@@ -253,20 +253,25 @@ def plot(rows: list[dict], runs: dict[str, list[dict]], path) -> None:
     ax.set_ylim(0, max(r["allocated"] for r in rows) / 1024 * 1.3)
     ax = axes[1]
     x = np.arange(len(rows))
-    ax.bar(x - 0.2, [r["decode_tok_s"] for r in rows], 0.4, color="tab:green", label="at the batch its budget admits")
-    ax.bar(x + 0.2, [r["equal_batch_tok_s"] for r in rows], 0.4, color="tab:olive",
-           label=f"at batch {min(r['batch'] for r in rows)}, all alike")
+    def pass_range(key: str) -> np.ndarray:  # error bars: from the slowest pass to the fastest
+        return np.array([[r[key] - min(r[f"{key}_passes"]), max(r[f"{key}_passes"]) - r[key]] for r in rows]).T
+
+    ax.bar(x - 0.2, [r["decode_tok_s"] for r in rows], 0.4, yerr=pass_range("decode_tok_s"), capsize=3,
+           color="tab:green", label="at the batch its budget admits")
+    ax.bar(x + 0.2, [r["equal_batch_tok_s"] for r in rows], 0.4, yerr=pass_range("equal_batch_tok_s"), capsize=3,
+           color="tab:olive", label=f"at batch {min(r['batch'] for r in rows)}, all alike")
     for i, r in enumerate(rows):
         ax.text(i - 0.2, r["decode_tok_s"], f"batch {r['batch']}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(x, names), ax.legend(fontsize=8)
-    ax.set_ylabel("decode tokens/s on this CPU"), ax.set_title("decode throughput (median of passes)")
+    ax.set_ylabel("decode tokens/s on this CPU"), ax.set_title("decode throughput (median of passes; bars: their range)")
     ax = axes[2]
     for row, (name, seed_runs) in zip(rows, runs.items()):
         run = seed_runs[0]
         train_curve = np.convolve(run["train"], np.ones(20) / 20, mode="valid")
         line, = ax.plot(np.arange(len(train_curve)) + 20, train_curve, alpha=0.5, lw=1)
         ax.plot(*zip(*run["val"]), "o-", color=line.get_color(),
-                label=f"{name} val {row['val_loss']:.3f} (mean of {len(seed_runs)} seeds)")
+                label=f"{name} val {row['val_loss']:.3f} (mean of {len(seed_runs)} seeds, "
+                      f"{min(row['val_losses']):.3f}-{max(row['val_losses']):.3f})")
     ax.set_xlabel("training step"), ax.set_ylabel("loss (nats/byte)")
     ax.set_title("train (faint) and validation loss, first seed")
     ax.legend(fontsize=8)
