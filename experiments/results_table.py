@@ -251,12 +251,13 @@ def kernel_bench(d: dict, n: Numbers) -> str:
 def host_overhead(d: dict, n: Numbers) -> str:
     parts = [f"{n(r['concurrency'], 'd')} decodes, {r['outputs']} outputs: {n(r['sync_host_ms'], '.2f')} ms "
              f"({n(r['sync_cpu_ms'], '.2f')} ms thread CPU, {n(r['sync_runtime_cpu_ms'], '.2f')} ms of it in the "
-             f"jitted call and fetch), {n(r['hidden'], '.0%')} hidden (95% interval {n(r['hidden_interval'][0], '.0%')} "
+             f"jitted call and fetch), {n(r['hidden'], '.0%')} hidden (interval {n(r['hidden_interval'][0], '.0%')} "
              f"to {n(r['hidden_interval'][1], '.0%')})" for r in d["rows"]]
     c, delta = d["cache_effect"]["final"], d["cache_effect"]["delta"]
     return ("host time per decode step of a tiny model (synchronous, wall clock and the engine thread's CPU time), "
             "and the share asynchronous scheduling hides (the median over pairs of neighbouring blocks of a "
-            "difference of noisy wall times over the host time, so it can come out negative or above all of it): "
+            "difference of noisy wall times over the host time, so it can come out negative or above all of it; "
+            "its interval: the md's distribution-free one for that median): "
             + "; ".join(parts)
             + f"; at {n(c['concurrency'], 'd')} decodes (final outputs) schedule + prepare + apply without "
             f"device steps: {n(c['hot_total'], '.0f', 1e6)} us of CPU hot, {n(c['streamed_total'], '.0f', 1e6)} us "
@@ -268,7 +269,7 @@ def host_overhead(d: dict, n: Numbers) -> str:
             + "".join(
                 f"; on an emulated accelerator with {n(r['idle_device_ms'], 'g')} ms steps that use no host core, "
                 f"{n(r['concurrency'], 'd')} decodes, {r['outputs']} outputs: {n(r['sync_host_ms'], '.2f')} ms of "
-                f"host time, {n(r['hidden'], '.1%')} hidden (95% interval {n(r['hidden_interval'][0], '.0%')} to "
+                f"host time, {n(r['hidden'], '.1%')} hidden (interval {n(r['hidden_interval'][0], '.0%')} to "
                 f"{n(r['hidden_interval'][1], '.0%')}; {n(r['hidden_by_device'], '.1%')} by the device's record)"
                 for r in d.get("emulated_rows", ()) if r["concurrency"] == 256))
 
