@@ -408,9 +408,9 @@ class EngineConfig:
     `coordinator_address`, `num_processes`, `process_id` join a multi-host run (`jax.distributed`).
     `async_scheduling` (vLLM's flag; SGLang's overlap scheduler) dispatches each step before the
     previous one's tokens reach the host, hiding the host's work under the device's.
-    `stream_interval` (SGLang's flag): a streamed (DELTA) request with one sample gets an output
-    for its first token, then once `stream_interval` tokens are not yet returned, and when it
-    finishes; between them a step only records its tokens, so larger values cut the host's work
+    `stream_interval` (SGLang's flag): a streamed (DELTA or CUMULATIVE) request with one sample gets
+    an output for its first token, then once `stream_interval` tokens are not yet returned, and when
+    it finishes; between them a step only records its tokens, so larger values cut the host's work
     per token (and the server's events) at the price of coarser streaming. Requests with n > 1 get
     an output every step.
     `queue_order` "lpm" (SGLang's longest prefix match) orders the waiting requests by their cached

@@ -40,7 +40,7 @@ from llmjax.config import DEFAULT_GPU_MEMORY_UTILIZATION, ConfigError, Default, 
 from llmjax.kv.manager import KVCacheManager
 from llmjax.kv.sizing import check_fits_host_memory, device_memory_stats, kv_budget_bytes, num_blocks_from_budget
 from llmjax.models.loader import LoadedModel, default_dtype, load_model
-from llmjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from llmjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, snapshot
 from llmjax.request import MAX_NAMESPACE_CHARS, Request, RequestStatus
 from llmjax.runner import InFlight, ModelRunner, PromptLogprobs, StepResult, enable_compilation_cache
 from llmjax.sampling_params import RequestOutputKind, SamplingParams
@@ -48,7 +48,7 @@ from llmjax.scheduler import Scheduler, SchedulerOutput
 from llmjax.tokenizer import CharTokenizer, IncrementalDetokenizer, TextTooLong, Tokenizer, load_tokenizer
 
 CPU_KV_BUDGET_BYTES = 1 << 30
-DELTA = RequestOutputKind.DELTA
+DELTA, CUMULATIVE, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
 _RUNNING = RequestStatus.RUNNING
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class _SequenceState:
     many of its output tokens the detokenizer has seen, and how many tokens (and logprob entries)
     were returned.
 
-    Text is made when it is needed: every step for a request that streams (DELTA) or has stop
+    Text is made when it is needed: every step for a request that streams (DELTA, CUMULATIVE) or has stop
     strings, otherwise (FINAL_ONLY without stop strings: the offline API, non-streamed responses)
     once, when the request finishes, so a decode step does not touch its detokenizer."""
 
@@ -182,6 +182,7 @@ class _Parent:
     plain_stream: bool = False
     finished: bool = False  # its final output is out (it left `LLMEngine._parents`)
     prompt_logprobs_sent: bool = False  # its prompt logprobs were in an output
+    whole: RequestOutput | None = None  # CUMULATIVE: its deltas so far, folded (`LLMEngine._output`)
 
 
 def _generation_defaults(model: LoadedModel, config: EngineConfig) -> dict:
@@ -319,7 +320,7 @@ class LLMEngine:
         # nothing above changed the engine; from here on nothing raises
         plain = params.n == 1 and params.logprobs is None and params.prompt_logprobs is None and not params.stop
         parent = _Parent(request_id, text, ids, params, children, states, RequestMetrics(arrival, time.monotonic()),
-                         quiet=plain and params.output_kind is not DELTA,
+                         quiet=plain and params.output_kind is FINAL_ONLY,
                          plain_stream=plain and params.output_kind is DELTA)
         for child in children:
             child.owner = parent
@@ -403,10 +404,10 @@ class LLMEngine:
 
     # --- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step. Returns a DELTA output (see `llmjax.outputs`) for each request
-        that sampled a token or finished (a `FINAL_ONLY` request: one whole output once all its
-        samples finished): this step's, or with asynchronous scheduling the previous step's (this one
-        stays in flight; a call that schedules nothing completes it).
+        """Run one scheduled step. Returns a DELTA output (see `llmjax.outputs`; CUMULATIVE: all of
+        it so far) for each request that sampled a token or finished (a `FINAL_ONLY` request: one
+        whole output once all its samples finished): this step's, or with asynchronous scheduling
+        the previous step's (this one stays in flight; a call that schedules nothing completes it).
 
         If a step itself fails (the runner raises), only the requests in it fail: each gets a
         finished output with `error` set, its blocks are freed, and later steps run as usual.
@@ -502,13 +503,13 @@ class LLMEngine:
                     grouped[parent].append(request)
                 else:
                     grouped[parent] = [request]
-            elif request.status.finished or (parent.params.output_kind is DELTA and (
+            elif request.status.finished or (parent.params.output_kind is not FINAL_ONLY and (
                     interval == 1 or self._output_due(parent.texts[0], len(request.output_token_ids), interval))):
                 outputs.append(self._output(parent, (request,)))
         for parent, samples in grouped.items():
             if parent.finished:
                 continue
-            if parent.params.output_kind is DELTA:
+            if parent.params.output_kind is not FINAL_ONLY:
                 outputs.append(self._output(parent, samples))
             elif all(c.status.finished for c in parent.children):
                 outputs.append(self._output(parent, parent.children))
@@ -575,7 +576,7 @@ class LLMEngine:
             new_chars = state.detokenize(output_ids, stop_token)
             if new_chars and request.status is not RequestStatus.FINISHED_STOPPED:
                 self._check_stop_strings(request, state, new_chars)
-        elif params.output_kind is DELTA or request.status.finished:
+        elif params.output_kind is not FINAL_ONLY or request.status.finished:
             parent.texts[request.sample_index].detokenize(output_ids, stop_token)
         if parent.held:  # the prompt is computed and its full pages cached
             for sibling in parent.held:
@@ -656,7 +657,7 @@ class LLMEngine:
         """End every unfinished sample of `parent` with `status`; returns the final delta output (of
         those samples and of `changed`, samples whose new tokens were not returned yet)."""
         unfinished = [c for c in parent.children if not c.status.finished]
-        if parent.params.output_kind is DELTA:
+        if parent.params.output_kind is not FINAL_ONLY:
             reported = [c for c in parent.children if c in changed or c in unfinished]
         else:  # nothing was returned yet
             reported = parent.children
@@ -700,7 +701,8 @@ class LLMEngine:
                                 request.output_logprobs[start:], finish_reason, request.stop_reason)
 
     def _output(self, parent: _Parent, children: Sequence[Request]) -> RequestOutput:
-        """The delta output of `parent` for its samples `children`; forgets a finished parent."""
+        """The delta output of `parent` for its samples `children` (CUMULATIVE: a copy of all its
+        outputs so far, every sample that has had one); forgets a finished parent."""
         texts, completions = parent.texts, []
         for c in children:  # usually one: a loop, not a comprehension's extra frame
             completions.append(self._completion_delta(c, texts[c.sample_index]))
@@ -721,8 +723,15 @@ class LLMEngine:
         if first.prompt_logprobs is not None and not parent.prompt_logprobs_sent and \
                 (finished or not first.collecting_prompt_logprobs):
             prompt_logprobs, parent.prompt_logprobs_sent = first.prompt_logprobs, True
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
-                             metrics, first.num_cached_tokens, prompt_logprobs=prompt_logprobs)
+        output = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
+                               metrics, first.num_cached_tokens, prompt_logprobs=prompt_logprobs)
+        if parent.params.output_kind is not CUMULATIVE:
+            return output
+        if parent.whole is None:
+            parent.whole = snapshot(output)
+        else:
+            parent.whole.add(output)
+        return snapshot(parent.whole)
 
     # --- introspection -----------------------------------------------------------------------------
     def check_kv_invariants(self) -> None:

@@ -1,12 +1,13 @@
 """What the engine returns, in vLLM's shape: `RequestOutput` holding one `CompletionOutput` per
 sample (`n` of them), and the request's timings under `metrics`.
 
-`LLMEngine.step()` returns DELTAS (vLLM's `RequestOutputKind.DELTA`): each output carries only
-what that step added (new text, new token ids, new logprobs) for the samples that changed, so a
-step costs O(new tokens), not O(tokens so far). Consumers that want whole outputs accumulate
-them with `OutputAccumulator`, or ask for `RequestOutputKind.FINAL_ONLY` (`SamplingParams.output_kind`:
-the offline API and the server's non-streamed responses do), which builds no output until the
-request has finished and then returns all of it in one output.
+`LLMEngine.step()` returns DELTAS by default (vLLM's `RequestOutputKind.DELTA`): each output
+carries only what that step added (new text, new token ids, new logprobs) for the samples that
+changed, so a step costs O(new tokens), not O(tokens so far). Consumers that want whole outputs
+accumulate them with `OutputAccumulator`, or ask (`SamplingParams.output_kind`) for
+`RequestOutputKind.CUMULATIVE` (vLLM's default: every step, a copy of all the output so far) or
+`FINAL_ONLY` (the offline API and the server's non-streamed responses do), which builds no output
+until the request has finished and then returns all of it in one output.
 """
 
 from __future__ import annotations
@@ -108,6 +109,11 @@ def _copy(c: CompletionOutput) -> CompletionOutput:
                                logprobs=None if c.logprobs is None else list(c.logprobs))
 
 
+def snapshot(output: RequestOutput) -> RequestOutput:
+    """A copy of `output` that later `add`s to it do not change (its samples sorted by index)."""
+    return dataclasses.replace(output, outputs=sorted(map(_copy, output.outputs), key=lambda c: c.index))
+
+
 class RequestFailedError(RuntimeError):
     """The engine failed a request while serving it (its output's `error`); a server error, not the client's."""
 
@@ -123,9 +129,7 @@ class OutputAccumulator:
         output has finished starts a new output (the id was used again, by a new request)."""
         whole = self.outputs.get(delta.request_id)
         if whole is None or whole.finished:
-            whole = dataclasses.replace(delta, outputs=[_copy(c) for c in delta.outputs])
-            whole.outputs.sort(key=lambda c: c.index)
-            self.outputs[delta.request_id] = whole
+            whole = self.outputs[delta.request_id] = snapshot(delta)
         else:
             whole.add(delta)
         return whole

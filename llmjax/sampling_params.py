@@ -31,9 +31,12 @@ GREEDY_BELOW = 1e-5  # a smaller temperature samples greedily (as vLLM does), ne
 
 class RequestOutputKind(enum.Enum):
     """What `LLMEngine.step()` returns for a request (vLLM's names): `DELTA`, what each step added
-    (streams); `FINAL_ONLY`, one whole output when the request finishes (the offline API and
-    non-streamed responses: no per-step output is built)."""
+    (streams; O(new tokens) a step); `CUMULATIVE`, everything so far, every step (vLLM's default:
+    each output is a fresh copy, so a step costs O(tokens so far) a request); `FINAL_ONLY`, one
+    whole output when the request finishes (the offline API and non-streamed responses: no
+    per-step output is built)."""
 
+    CUMULATIVE = "cumulative"
     DELTA = "delta"
     FINAL_ONLY = "final_only"
 
@@ -75,7 +78,8 @@ class SamplingParams:
     token already in the output (once / per occurrence); `repetition_penalty` divides the positive
     logits (multiplies the negative ones) of tokens in the prompt or the output. `logit_bias` adds
     a bias to a token id's logit (keys may be ints or decimal strings, as in OpenAI's JSON).
-    `output_kind`: deltas every step (the default) or one final output (`RequestOutputKind`).
+    `output_kind`: deltas every step (the default), all the output so far every step, or one final
+    output (`RequestOutputKind`).
     """
 
     n: int = 1

@@ -86,6 +86,15 @@ def test_a_stream_never_merges_an_error_into_the_output_before_it():
     assert _read(stream, 2) == [("a", "x", [5], False, None), ("a", "", [], True, "RuntimeError: boom")]
 
 
+def test_a_stream_of_cumulative_outputs_keeps_the_newest_unread_one():
+    stream = OutputStream(engine=None)
+    stream.unfinished = {"a"}
+    stream._cumulative = True  # as `add` sets it for RequestOutputKind.CUMULATIVE params
+    for output in (_delta("a", "x", [5]), _delta("a", "xy", [5, 6]), _delta("a", "xyz", [5, 6, 7], "stop")):
+        stream.put(output)
+    assert _read(stream, 1) == [("a", "xyz", [5, 6, 7], True, None)]
+
+
 def test_a_consumer_that_falls_behind_reads_fewer_outputs_with_every_token():
     [reference] = run_to_completion(tiny_engine(), [PROMPTS[0]])
     engine = AsyncEngine(tiny_engine())

@@ -235,6 +235,42 @@ def test_final_only_abort_returns_everything_generated_so_far():
     assert engine.kv.usage().used == 0
 
 
+def _summary(output):
+    return (output.request_id, output.finished, output.error, [
+        (c.index, c.text, list(c.token_ids), c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
+        for c in output.outputs])
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=9, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=["a", "e", "x"]),
+], ids=["plain", "logprobs", "n-3", "stop"])
+def test_cumulative_outputs_are_the_deltas_so_far(params):
+    """Every CUMULATIVE output equals the DELTA outputs of the same step and the steps before it,
+    folded (`OutputAccumulator`); the ones returned earlier never change; an abort ends with everything."""
+    cumulative = dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE)
+    delta_engine, engine = tiny_engine(), tiny_engine()
+    ids = [f"r{i}" for i in range(4)]
+    for rid, prompt in zip(ids, PROMPTS[:4]):
+        delta_engine.add_request(list(prompt), params, rid)
+        engine.add_request(list(prompt), cumulative, rid)
+    whole, returned, steps = OutputAccumulator(), [], 0
+    while delta_engine.has_unfinished_requests():
+        if steps == 5:  # abort one request midway
+            expected = [o for o in [delta_engine.abort("r3")] if o is not None]
+            got = [o for o in [engine.abort("r3")] if o is not None]
+        else:
+            expected, got = delta_engine.step(), engine.step()
+        steps += 1
+        assert [_summary(o) for o in got] == [_summary(whole.add(d)) for d in expected]
+        returned += [(o, _summary(o)) for o in got]
+    assert not engine.has_unfinished_requests() and engine.kv.usage().used == 0
+    assert all(_summary(o) == seen for o, seen in returned)  # later steps did not change them
+    assert {o.request_id for o, _ in returned if o.finished} == set(ids)
+
+
 @pytest.mark.parametrize("overrides", [{}, {"async_scheduling": True}], ids=["sync", "async"])
 def test_more_samples_than_batch_rows_queue_and_give_the_same_samples(overrides):
     """`n` above `max_num_seqs` is served as vLLM serves it: the samples that find no row wait for one;

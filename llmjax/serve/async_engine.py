@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from llmjax.config import ConfigError
 from llmjax.engine import LLMEngine, RequestError, RequestOutput
-from llmjax.sampling_params import SamplingParams, SamplingParamsError
+from llmjax.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
 
@@ -313,6 +313,7 @@ class OutputStream:
     every token since its last read, not a backlog of one-token outputs that each cost it an SSE
     event. An output with an `error` is never merged. The outputs a stream is given are its own
     (the engine does not touch a delta once made), so merging mutates the waiting one in place.
+    `RequestOutputKind.CUMULATIVE` outputs hold everything so far: a new one replaces the waiting one.
     """
 
     def __init__(self, engine: AsyncEngine):
@@ -321,6 +322,7 @@ class OutputStream:
         self._queue: collections.deque[RequestOutput | BaseException] = collections.deque()
         self._waiting: dict[str, RequestOutput] = {}  # request id -> its output in `_queue`
         self._ready = asyncio.Event()
+        self._cumulative = False  # the requests' outputs are CUMULATIVE (set by `add`)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Queue an output (merged into the request's waiting one, see above) or an exception (raised
@@ -328,7 +330,11 @@ class OutputStream:
         if isinstance(item, RequestOutput):
             waiting = self._waiting.get(item.request_id)
             if waiting is not None and item.error is None:
-                waiting.add(item)
+                if self._cumulative:
+                    for f in dataclasses.fields(item):
+                        setattr(waiting, f.name, getattr(item, f.name))
+                else:
+                    waiting.add(item)
                 return
             self._waiting[item.request_id] = item
         self._queue.append(item)
@@ -339,6 +345,7 @@ class OutputStream:
         """Queue requests (request id -> prompt); raises `RequestError` (none queued) when the engine
         refuses one."""
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._cumulative = params.output_kind is RequestOutputKind.CUMULATIVE
         self.unfinished.update(prompts)  # before awaiting, so a cancelled add is still aborted
         try:
             await self.engine.add(prompts, params, namespace, arrival, self)
