@@ -8,6 +8,7 @@ values with the same `SamplingParamsError` (which names the field). What needs t
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import numbers
 import re
@@ -26,7 +27,9 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 2.0 ** -126, (2 - 2.0 ** -23) *
 MAX_LOGIT_BIAS = 100.0
 _TOKEN_ID_TEXT = re.compile(r"[0-9]{1,10}")  # a logit_bias key as OpenAI's JSON sends it; ASCII digits only
 FLOAT32_MAX = 3.4028234663852886e38  # the sampler's temperatures are float32: a larger one would be inf
-GREEDY_BELOW = 1e-5  # a smaller temperature samples greedily (as vLLM does), never dividing by ~0
+MIN_TEMPERATURE = 0.01  # a smaller positive temperature is raised to it (as vLLM does): logits / T would overflow
+
+log = logging.getLogger(__name__)
 
 
 class RequestOutputKind(enum.Enum):
@@ -61,7 +64,8 @@ def _is_real(x: Any) -> bool:
 class SamplingParams:
     """How to sample one request.
 
-    temperature 0 (or below 1e-5) is greedy; top_k 0 or -1 disables top-k (so does one at least the
+    temperature 0 is greedy; a positive one below 0.01 is raised to 0.01 (with a warning, as vLLM
+    does: dividing logits by a smaller one overflows float32); top_k 0 or -1 disables top-k (so does one at least the
     vocabulary size, which vLLM clamps to it); top_p 1 and min_p 0 disable theirs.
     `seed` (any 64-bit integer) makes a request's samples reproducible whatever else shares its
     batch, up to float rounding (see `llmjax.sampler`); with `n` > 1 each of the n samples draws from
@@ -160,6 +164,10 @@ class SamplingParams:
                 object.__setattr__(self, name, int(getattr(self, name)))
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            log.warning("temperature %g is below %g, which overflows the logits divided by it; it is raised to %g",
+                        self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         object.__setattr__(self, "stop_token_ids", tuple(map(int, self.stop_token_ids)))
 
     def _checked_logit_bias(self, bias: Any) -> dict[int, float] | None:
@@ -190,7 +198,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
+        return self.temperature == 0
 
     @property
     def uses_logits_processing(self) -> bool:

@@ -420,4 +420,12 @@ def test_extreme_valid_values_are_accepted():
     assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
     assert SamplingParams(top_k=2**31 - 1).top_k == 2**31 - 1
     assert SamplingParams(logit_bias={"5": 1, 7: -100}).logit_bias == {5: 1.0, 7: -100.0}
-    assert SamplingParams(temperature=1e-9).greedy
+    assert SamplingParams(temperature=0.0).greedy
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-9, 0.005])
+def test_a_positive_temperature_below_a_hundredth_is_raised_to_it_as_in_vllm(temperature, caplog):
+    params = SamplingParams(temperature=temperature)
+    assert (params.temperature, params.greedy) == (0.01, False)
+    assert "raised to 0.01" in caplog.text
+    assert SamplingParams(temperature=0.01).temperature == 0.01
