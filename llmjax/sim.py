@@ -189,9 +189,10 @@ class Simulator:
             if len(t.prompt) + t.output_len > self.config.max_model_len:
                 raise ValueError(f"{t.request_id}: {len(t.prompt)} + {t.output_len} tokens do not fit "
                                  f"max_model_len {self.config.max_model_len}")
-            if pool_blocks is not None and self.kv.num_blocks_for(len(t.prompt) + t.output_len) > pool_blocks:
-                raise ValueError(f"{t.request_id}: {len(t.prompt)} + {t.output_len} tokens need more than the KV "
-                                 f"pool's {pool_blocks} blocks")
+            # the last output token is sampled and never fed back: it needs no KV (as the engine counts)
+            if pool_blocks is not None and self.kv.num_blocks_for(len(t.prompt) + t.output_len - 1) > pool_blocks:
+                raise ValueError(f"{t.request_id}: {len(t.prompt)} + {t.output_len} tokens need the KV of "
+                                 f"{len(t.prompt) + t.output_len - 1}, more than the KV pool's {pool_blocks} blocks")
             if t.after is not None and (t.after not in ids or t.after == t.request_id):
                 raise ValueError(f"{t.request_id} waits for {t.after!r}, which is no other request of the trace")
         waiting_for: dict[str, list[TraceRequest]] = {}  # predecessor id -> requests that follow its finish

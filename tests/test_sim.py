@@ -160,8 +160,11 @@ def test_run_until_stops_early_and_rejects_oversized_requests() -> None:
     small = KVCacheManager(num_blocks=7, block_size=4)
     with pytest.raises(ValueError, match="given twice"):
         Simulator(CONFIG, small, UNIT).run([gap[0], replace(gap[1], request_id="a")])
-    with pytest.raises(ValueError, match="need more than the KV pool's 6 blocks"):
-        Simulator(CONFIG, small, UNIT).run([TraceRequest("big", 0.0, [1] * 20, 8)])
+    with pytest.raises(ValueError, match="more than the KV pool's 6 blocks"):
+        Simulator(CONFIG, small, UNIT).run([TraceRequest("big", 0.0, [1] * 20, 6)])  # 25 tokens' KV
+    # 24 tokens' KV (the last of 25 is never fed back) fill the 6 blocks exactly: served, as the engine serves it
+    exact = Simulator(CONFIG, small, UNIT).run([TraceRequest("exact", 0.0, [1] * 20, 5)])
+    assert [(r.request_id, len(r.output_token_ids)) for r in exact.finished] == [("exact", 5)]
 
 
 @pytest.mark.parametrize("trace,message", [
