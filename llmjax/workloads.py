@@ -27,8 +27,8 @@ class LengthDist:
 
 # Means: the PagedAttention paper, §6.1 (OPT tokenizer). Sigmas: our assumption, not published. Its
 # Figure 11 shows long right tails, prompts more skewed than outputs; sigma 1.0 / 0.8 give coefficients
-# of variation of about 1.3 / 0.95 before the lengths are capped (ShareGPT's capped draws: about 1.1 /
-# 0.9). memory_waste.py reports how the results move with sigma_output.
+# of variation of about 1.3 / 0.95 before the lengths are capped (under paper_repro/traces.py's caps,
+# ShareGPT's draws have about 1.1 / 0.9). memory_waste.py reports how the results move with sigma_output.
 SHAREGPT = LengthDist("ShareGPT", 161.31, 337.99, sigma_prompt=1.0, sigma_output=0.8)
 ALPACA = LengthDist("Alpaca", 19.31, 58.45, sigma_prompt=1.0, sigma_output=0.8)
 
