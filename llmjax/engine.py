@@ -97,18 +97,22 @@ def prompt_too_long(exc: TextTooLong, max_model_len: int, param: str = "prompt")
 
 
 def check_fits_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                       max_tokens_field: str = "max_tokens") -> None:
-    """`RequestError` (vLLM's message) for a prompt that leaves no room to generate in `max_model_len`
+                       max_tokens_field: str = "max_tokens", prompt_field: str = "prompt") -> None:
+    """`RequestError` (vLLM's messages) for a prompt that leaves no room to generate in `max_model_len`
     tokens, or, with `max_tokens` given, a prompt plus `max_tokens` beyond it: the OpenAI server's
     rule (the engine itself caps such a request at `max_model_len`, finish reason "length", as
-    vLLM's engine does). `max_tokens_field`: the name the client gave `max_tokens`."""
-    wanted = num_prompt_tokens + (max_tokens or 1)
-    if num_prompt_tokens >= max_model_len or wanted > max_model_len:
+    vLLM's engine does). `max_tokens_field`, `prompt_field`: the names the client gave them
+    (`messages` for a chat)."""
+    if num_prompt_tokens >= max_model_len:
         raise RequestError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested {wanted} "
-            f"tokens ({num_prompt_tokens} in the prompt, {max_tokens or 1} for the completion). "
-            f"Please reduce the length of the prompt or {max_tokens_field}.",
-            max_tokens_field if num_prompt_tokens < max_model_len else "prompt",
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{num_prompt_tokens} input tokens. Please reduce the length of the input {prompt_field}.", prompt_field)
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {prompt_field}, {max_tokens} for "
+            f"the completion). Please reduce the length of the {prompt_field} or {max_tokens_field}.",
+            max_tokens_field,
         )
 
 

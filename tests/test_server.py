@@ -232,6 +232,8 @@ COMPLETION_ERRORS = [
     ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "max_tokens"),
     ({"max_tokens": 3}, 400, "prompt", "prompt"),
     ({"prompt": "x" * 200}, 400, "prompt", f"This model's maximum context length is {MAX_MODEL_LEN} tokens."),
+    ({"prompt": [5] * MAX_MODEL_LEN}, 400, "prompt", f"This model's maximum context length is {MAX_MODEL_LEN} "
+     f"tokens. However, your request has {MAX_MODEL_LEN} input tokens. Please reduce the length of the input prompt."),
     ({"prompt": "x", "max_tokens": 500}, 400, "max_tokens",
      f"This model's maximum context length is {MAX_MODEL_LEN} tokens."),
     ({"prompt": "x", "model": "gpt-5"}, 404, "model", "The model `gpt-5` does not exist."),
@@ -247,7 +249,7 @@ def test_completion_errors(client, body, status, param, message):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["message"].startswith(message), error
-    assert error["type"] and "code" in error
+    assert error["type"] and error["code"] == status  # the HTTP status, as vLLM sends it
     assert complete(client, prompt="still fine", max_tokens=2)["choices"][0]["finish_reason"]
 
 
@@ -318,7 +320,7 @@ def test_a_body_not_sent_as_json_is_told_so(client, content_type):
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"content": "no role"}]}, 400, "messages.0.role"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": -2}, 400, "temperature"),
-    ({"messages": [{"role": "user", "content": "x" * 200}]}, 400, "prompt"),
+    ({"messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "model": "other"}, 404, "model"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 500}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 500}, 400, "max_completion_tokens"),
@@ -327,7 +329,7 @@ def test_chat_errors(client, body, status, param):
     r = client.post("/v1/chat/completions", json={"model": MODEL, **body} if "model" not in body else body)
     assert r.status_code == status and r.json()["error"]["param"] == param, r.text
     if param.startswith("max_"):  # the context-length refusal names the field the client sent
-        assert r.json()["error"]["message"].endswith(f"reduce the length of the prompt or {param}."), r.text
+        assert r.json()["error"]["message"].endswith(f"reduce the length of the messages or {param}."), r.text
     ok = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                    "max_tokens": 2})
     assert ok.status_code == 200
@@ -1063,15 +1065,18 @@ def test_api_key_and_cors():
                     allowed_origins=("http://ui.example",))
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     with running_server(app) as url, httpx.Client(base_url=url, timeout=120) as c:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"},
+                        {"Authorization": "Basic sekrit"}, {"Authorization": "Bearersekrit"}):
             r = c.post("/v1/completions", json=body, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+            assert r.json()["error"]["code"] == 401
             assert c.get("/v1/models", headers=headers).status_code == 401
             assert c.get("/debug/kv_invariants", headers=headers).status_code == 401  # a pool scan on the loop
         auth = {"Authorization": "Bearer sekrit"}
         assert c.post("/v1/completions", json=body, headers=auth).status_code == 200
         assert c.get("/v1/models", headers=auth).status_code == 200
         assert c.get("/debug/kv_invariants", headers=auth).status_code == 200
+        assert c.get("/v1/models", headers={"Authorization": "bearer sekrit"}).status_code == 200  # any case
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200  # open
         preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
                      "Access-Control-Request-Headers": "authorization,content-type"}

@@ -59,9 +59,9 @@ log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param = status, param
 
 
 def check_kv_capacity(engine: LLMEngine) -> None:
@@ -141,7 +141,7 @@ class OpenAIServer:
     # --- helpers ------------------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
         if model and model != self.model_name:  # none or "": the served model, as in vLLM
-            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     def _chat_ids(self, messages: list[p.ChatMessage], add_generation_prompt: bool = True,
                   add_special_tokens: bool = False, generation: bool = True,
@@ -154,7 +154,7 @@ class OpenAIServer:
                                               add_special_tokens, self.max_model_len if generation else None,
                                               continue_final_message=continue_final_message)
         except TextTooLong as exc:
-            raise prompt_too_long(exc, self.max_model_len) from None
+            raise prompt_too_long(exc, self.max_model_len, "messages") from None
         except (ValueError, TemplateError) as exc:
             raise RequestError(str(exc), "continue_final_message" if "continue_final_message" in str(exc)
                                else "messages") from exc
@@ -175,15 +175,16 @@ class OpenAIServer:
 
     async def _open(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
                     cache_salt: str | None, arrival: float,
-                    max_tokens_field: str = "max_tokens") -> tuple[OutputStream, dict[str, int]]:
+                    max_tokens_field: str = "max_tokens",
+                    prompt_field: str = "prompt") -> tuple[OutputStream, dict[str, int]]:
         """Queue one engine request per prompt (token ids), all in one engine command; returns the
         stream and request id -> choice index. `arrival`: when the handler started (the request's
         latencies count its tokenizing). If any prompt is refused, none stays queued; if the handler
         is cancelled meanwhile (the client left), they are aborted. A prompt plus `max_tokens` beyond
         `max_model_len` is refused here, as vLLM's OpenAI server does (the engine would cap it); the
-        refusal names `max_tokens_field`, the field the client sent."""
+        refusal names `max_tokens_field` or `prompt_field`, the fields the client sent."""
         for ids in prompts:
-            check_fits_context(len(ids), params.max_tokens, self.max_model_len, max_tokens_field)
+            check_fits_context(len(ids), params.max_tokens, self.max_model_len, max_tokens_field, prompt_field)
         stream = self.async_engine.open_stream()
         index = {f"{request_id}-{i}": i for i in range(len(prompts))}
         try:
@@ -316,7 +317,7 @@ class OpenAIServer:
         prompt_ids = await asyncio.to_thread(self._chat_ids, body.messages, body.add_generation_prompt,
                                              continue_final_message=body.continue_final_message)
         sent = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-        stream, index = await self._open([prompt_ids], params, request_id, body.cache_salt, arrival, sent)
+        stream, index = await self._open([prompt_ids], params, request_id, body.cache_salt, arrival, sent, "messages")
         if body.stream:
             return _EventStream(stream, self._chat_chunks(stream, params, body, request_id, created))
         outputs = await self._final_outputs(raw, stream)
@@ -379,13 +380,13 @@ class OpenAIServer:
     async def health(self) -> Response:
         problem = self.async_engine.health()
         if problem:
-            return error_response(503, problem, code=503)
+            return error_response(503, problem)
         return Response(status_code=200)
 
     async def kv_invariants(self) -> Response:
         problem = self.async_engine.health() or await self.async_engine.check_kv_invariants()
         if problem:
-            return error_response(503, problem, code=503)
+            return error_response(503, problem)
         return Response(status_code=200)
 
     async def metrics_text(self) -> Response:
@@ -446,8 +447,8 @@ def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
     install_error_handlers(app)
     for bad_request in (RequestError, SamplingParamsError):
         app.add_exception_handler(bad_request, lambda _, exc: error_response(400, str(exc), exc.param))
-    app.add_exception_handler(APIError, lambda _, exc: error_response(exc.status, str(exc), exc.param, exc.code))
-    app.add_exception_handler(EngineDeadError, lambda _, exc: error_response(503, str(exc), code=503))
+    app.add_exception_handler(APIError, lambda _, exc: error_response(exc.status, str(exc), exc.param))
+    app.add_exception_handler(EngineDeadError, lambda _, exc: error_response(503, str(exc)))
     app.add_middleware(LimitRequestBody)  # inside the key check: a request without the key is never read
     if api_key:
         app.add_middleware(RequireAPIKey, api_key=api_key)

@@ -41,10 +41,10 @@ class _ASCIIJSONResponse(JSONResponse):
         return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
-def error_response(status: int, message: str, param: str | None = None, code: int | str | None = None,
-                   type_: str | None = None) -> JSONResponse:
-    return _ASCIIJSONResponse(error_body(message, type_ or _TYPES.get(status, "invalid_request_error"), param,
-                                         code), status_code=status)
+def error_response(status: int, message: str, param: str | None = None, type_: str | None = None) -> JSONResponse:
+    """An error in OpenAI's shape; its `code` is the HTTP status, as vLLM's are."""
+    return _ASCIIJSONResponse(error_body(message, type_ or _TYPES.get(status, "invalid_request_error"), status, param),
+                              status_code=status)
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -67,7 +67,7 @@ def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
     message = str(exc.detail)
     if exc.status_code == 400 and message == "There was an error parsing the body":
         message = "malformed request body: not UTF-8, not JSON, or nested too deeply"
-    response = error_response(exc.status_code, message, code=exc.status_code)
+    response = error_response(exc.status_code, message)
     response.headers.update(exc.headers or {})  # e.g. a 405's `Allow`
     return response
 
@@ -96,7 +96,7 @@ class CatchInternalErrors:
             log.error("unhandled error", exc_info=exc)
             if started:
                 raise
-            await error_response(500, f"internal error: {exc!r}", code=500)(scope, receive, send)
+            await error_response(500, f"internal error: {exc!r}")(scope, receive, send)
 
 
 MAX_REQUEST_BODY_BYTES = 64 << 20  # far above any request a context can hold: 1,000 prompts of 2,048 ids are ~14 MB
@@ -118,7 +118,7 @@ class LimitRequestBody:
         message = f"the request body is larger than {self.limit} bytes"
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            return await error_response(413, message, code=413)(scope, receive, send)
+            return await error_response(413, message)(scope, receive, send)
         received = 0
 
         async def counting_receive():
@@ -143,18 +143,19 @@ def install_error_handlers(app: FastAPI) -> None:
 class RequireAPIKey:
     """ASGI middleware: with `api_key` set, HTTP requests to `/v1/...` and `/debug/...` (which costs the
     engine loop a scan of the KV pool) need `Authorization: Bearer <api_key>` and get a 401 OpenAI
-    error otherwise (compared in constant time). CORS preflights (OPTIONS) carry no key and pass."""
+    error otherwise (the key compared in constant time; the scheme's case does not matter, RFC 9110).
+    CORS preflights (OPTIONS) carry no key and pass."""
 
     PROTECTED = ("/v1/", "/debug/")
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED) and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if not (hmac.compare_digest(key.strip(b" "), self.key) and scheme.lower() == b"bearer"):
                 body = json.dumps(error_body("invalid or missing API key (send `Authorization: Bearer <key>`)",
                                              "authentication_error", code=401)).encode()
                 await send({"type": "http.response.start", "status": 401,

@@ -436,7 +436,7 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: int | str | None = None
+    code: int  # the HTTP status
 
 
 class ErrorResponse(BaseModel):
@@ -466,8 +466,9 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | 
     return message, param
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: int | str | None = None) -> dict[str, Any]:
+def error_body(message: str, type_: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object; `code` is the HTTP status (as vLLM sends it; a stream's error event
+    carries the status the request would have had)."""
     return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code)).model_dump()
 
 

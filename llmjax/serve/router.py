@@ -485,7 +485,7 @@ class Router:
             self.failed.inc()
             if refusal is not None:
                 return refusal
-            return error_response(503, "no healthy worker can take the request", code=503)
+            return error_response(503, "no healthy worker can take the request")
         finally:
             if decision is not None:
                 self.decisions.labels(self.policy.name, decision.reason).inc()
@@ -509,7 +509,7 @@ class Router:
             self.worker_failures.inc()
             self.failed.inc()
             message = f"worker {worker.url} sent nothing for {self.request_timeout:g} s"
-            return error_response(504, message, code=504, type_="gateway_timeout")
+            return error_response(504, message, type_="gateway_timeout")
         finally:
             if relay is None:
                 self._release(worker)
@@ -578,7 +578,7 @@ class Router:
         if any(w.up for w in self.workers.values()):
             return Response(status_code=200)
         problems = "; ".join(f"{w.url}: {w.problem}" for w in self.workers.values())
-        return error_response(503, f"no worker is up ({problems})", code=503)
+        return error_response(503, f"no worker is up ({problems})")
 
     async def metrics_text(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
