@@ -4,7 +4,7 @@ Endpoints: `/v1/completions`, `/v1/chat/completions` (both with `stream`), `/v1/
 `/v1/models/{model}`, `/health`, `/metrics`, `/tokenize`, `/detokenize`, `/debug/kv_invariants`.
 
 - The app's lifespan starts and stops the `AsyncEngine` loop thread; handlers never touch the
-  engine directly. Prompts are tokenized (and chat templates rendered) in worker threads
+  engine directly. Prompts are tokenized (and chat templates rendered), and /detokenize's ids decoded, in worker threads
   (`asyncio.to_thread`), so a long prompt stalls neither the event loop nor the engine's steps; the
   engine gets token ids. The tokenizer is shared read-only with those threads and the loop thread
   (its detokenizers).
@@ -410,10 +410,14 @@ class OpenAIServer:
 
     async def detokenize(self, body: p.DetokenizeRequest) -> p.DetokenizeResponse:
         self._check_model(body.model)
-        if any(not 0 <= t < self.vocab_size for t in body.tokens):
+        return p.DetokenizeResponse(prompt=await asyncio.to_thread(self._decode, body.tokens))
+
+    def _decode(self, tokens: list[int]) -> str:
+        """/detokenize's text (blocking: a worker thread's, as tokenizing is). Special tokens kept, as
+        vLLM's: the inverse of /tokenize, chat template markers included."""
+        if any(not 0 <= t < self.vocab_size for t in tokens):
             raise RequestError(f"token ids must be in [0, {self.vocab_size})", "tokens")
-        # special tokens kept, as vLLM's: the inverse of /tokenize, chat template markers included
-        return p.DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens, skip_special_tokens=False))
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
 
 def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
