@@ -23,8 +23,9 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(BIN)/llmjax generate --prompt "What is the capital of France?"
 
+# two pytest workers (pytest-xdist), a test file each at a time (its module fixtures computed once)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # The CPU results, regenerated in one go (progress bars on stderr), then README's results table from
 # the JSON files. `make results QUICK=1`: a smoke run of each script with --quick, written to
