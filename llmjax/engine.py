@@ -599,14 +599,18 @@ class LLMEngine:
         """The delta output of a `plain_stream` request that got a token and goes on, past its first
         token: what `_after_token` then `_output` make of it, without their checks."""
         output_ids = request.output_token_ids
+        n = len(output_ids)
         metrics, state = parent.metrics, parent.texts[0]
         metrics.token_times.append(now)
-        metrics.num_generation_tokens = len(output_ids)
-        state.detokenize(output_ids)
-        text, state.unreturned = state.unreturned, ""
-        start, state.returned_tokens = state.returned_tokens, len(output_ids)
+        metrics.num_generation_tokens = n
+        if state.detokenized == n - 1 and not state.unreturned:  # the usual case: `detokenize` inlined
+            state.detokenized, text = n, state.detokenizer.add(output_ids[-1])
+        else:
+            state.detokenize(output_ids)
+            text, state.unreturned = state.unreturned, ""
+        start, state.returned_tokens = state.returned_tokens, n
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             [CompletionOutput(0, text, output_ids[start:])], False, parent.metrics,
+                             [CompletionOutput(0, text, output_ids[start:])], False, metrics,
                              request.num_cached_tokens)
 
     def _check_stop_strings(self, request: Request, state: _SequenceState, new_chars: int) -> None:
