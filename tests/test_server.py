@@ -96,6 +96,38 @@ def test_completion_stream_matches_non_stream(client):
     assert all(e["usage"] is None for e in events[:-1])
 
 
+def test_a_chat_stream_sends_no_byte_before_the_engines_first_output(app):
+    """The role chunks come with the first output, as vLLM sends them: a router retries a request of
+    which no byte came on another worker, so one still queued on a worker that dies is not lost."""
+    from llmjax.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from llmjax.sampling_params import SamplingParams
+    from llmjax.serve import protocol
+
+    body = protocol.ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True, n=2)
+    first = [RequestOutput("r-0", None, [1], [CompletionOutput(i, "hi", [5], finish_reason="length")], i == 1,
+                           RequestMetrics(0.0)) for i in range(2)]
+
+    async def run():
+        ready = asyncio.Event()
+
+        async def outputs():
+            await ready.wait()
+            for out in first:
+                yield out
+
+        chunks = app.state.server._chat_chunks(outputs(), SamplingParams(n=2, max_tokens=1), body, "chatcmpl-x", 0)
+        pending = asyncio.ensure_future(anext(chunks))
+        await asyncio.sleep(0.1)
+        early = pending.done()
+        ready.set()
+        return early, [await pending] + [c async for c in chunks]
+
+    early, chunks = asyncio.run(run())
+    assert not early
+    assert [(c.choices[0].index, c.choices[0].delta.role) for c in chunks] == [
+        (0, "assistant"), (1, "assistant"), (0, None), (1, None)]
+
+
 def test_chat_stream_matches_non_stream(client):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
     full = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, **GREEDY}).json()

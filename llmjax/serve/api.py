@@ -345,10 +345,13 @@ class OpenAIServer:
             return p.ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
                                          choices=[p.ChatStreamChoice(index=index, delta=delta, **fields)], usage=usage)
 
-        for i in range(params.n):
-            yield chunk(i, p.DeltaMessage(role="assistant", content=""))
+        roles_sent = False
         async for out in stream:
             _raise_if_failed(out)
+            if not roles_sent:  # with the first output, as vLLM: a router retries a request of which no byte came
+                roles_sent = True
+                for i in range(params.n):
+                    yield chunk(i, p.DeltaMessage(role="assistant", content=""))
             for c in out.outputs:
                 if not (c.text or c.finished or c.token_ids):  # see `_completion_chunks`
                     continue
