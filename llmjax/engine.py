@@ -28,7 +28,7 @@ import math
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -255,6 +255,9 @@ class LLMEngine:
         self.time_update = 0.0  # the scheduler's update_from_output
         self.time_output = 0.0  # text, stop strings, delta outputs
         self.num_steps = 0  # steps dispatched (or failed to)
+        # called with a request's metrics when its first token is sampled, on the thread running `step`
+        # (the server's time-to-first-token histogram); it must not raise
+        self.on_first_token: Callable[[RequestMetrics], None] | None = None
 
     @classmethod
     def from_config(cls, model: str | None = None, config: EngineConfig | None = None, seed: int = 0) -> LLMEngine:
@@ -560,6 +563,8 @@ class LLMEngine:
         if not times:
             metrics.first_token_time = now
             times.append(now)
+            if self.on_first_token is not None:
+                self.on_first_token(metrics)
         elif times[-1] != now:
             times.append(now)
         if len(output_ids) == 1 and request.sample_index == 0:

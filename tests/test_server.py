@@ -552,6 +552,27 @@ def test_latency_metrics_are_the_requests_own_timings(client, app, monkeypatch):
         assert count == len(values) and total == pytest.approx(sum(values), abs=1e-9), name
 
 
+def test_time_to_first_token_is_observed_when_the_first_token_comes(client, app, monkeypatch):
+    """As vLLM's: a long generation's time to first token shows while it is still running (its other
+    histograms, e2e latency among them, when it finishes)."""
+    engine = app.state.server.async_engine.engine
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.05), step())[1])  # 60 tokens: 3 s at least
+    wait_idle(client)
+    before = metrics(client)
+    body = {"model": MODEL, "prompt": "abcd", "max_tokens": 60, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")  # the first token's event
+        during = metrics(client)
+        list(lines)
+    after = wait_idle(client)
+    for name in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count"):
+        name = "llmjax:" + name
+        assert (during[name] - before[name], after[name] - before[name]) == (
+            (1, 1) if "first_token" in name else (0, 1)), name
+
+
 # --- what the schemas refuse ---------------------------------------------------------------------------------
 def _assert_error(r: httpx.Response, status: int, param: str | None, contains: str = "") -> None:
     assert r.status_code == status, r.text

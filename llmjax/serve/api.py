@@ -132,6 +132,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(lambda: self.async_engine.stats, model_name, engine.config.max_model_len,
                                      cache_config)
         self.async_engine.on_finished = self.metrics.observe_finished
+        engine.on_first_token = self.metrics.observe_first_token
         self.tokenizer = engine.tokenizer
         self.generation_defaults = engine.generation_defaults
         self.vocab_size = engine.model_config.vocab_size

@@ -1,9 +1,11 @@
 """Prometheus metrics for `/metrics`, named after vLLM's with an `llmjax:` prefix.
 
 Gauges and counters are read at scrape time from the engine loop's `EngineStats` snapshot;
-per-request histograms and `request_success_total{finished_reason}` are observed when a request
-finishes (`observe_finished`, called on the engine loop thread; prometheus-client is
-thread-safe). Each `ServerMetrics` has its own registry, so several apps (tests, replicas) can
+time to first token is observed when a request samples its first token (`observe_first_token`,
+as vLLM's); the other per-request histograms and `request_success_total{finished_reason}` when it
+finishes (`observe_finished`; inter-token latencies then too, where vLLM observes them every step:
+a steady step's host work stays free of them). Both are called on the engine loop thread
+(prometheus-client is thread-safe). Each `ServerMetrics` has its own registry, so several apps (tests, replicas) can
 live in one process. Every sample carries `model_name`, except `cache_config_info` (value 1),
 which carries the KV cache's configuration in its labels, as vLLM's does.
 
@@ -27,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmjax.engine import RequestOutput
+from llmjax.outputs import RequestMetrics
 from llmjax.request import RequestStatus
 from llmjax.serve.async_engine import EngineStats
 
@@ -124,6 +127,10 @@ class ServerMetrics:
                      sorted(cache_config), registry=self.registry)
         info.labels(**cache_config).set(1)
 
+    def observe_first_token(self, m: RequestMetrics) -> None:
+        """Record a request's time to first token, when it sampled it (`LLMEngine.on_first_token`)."""
+        self.ttft.observe(m.first_token_time - m.arrival_time)
+
     def observe_finished(self, output: RequestOutput) -> None:
         """Record a finished request (from the engine's monotonic timestamps): its histograms once,
         and each sample's finish reason (a request with n samples counts n, as in vLLM, whose
@@ -133,8 +140,6 @@ class ServerMetrics:
             self.queue_time.observe(m.first_scheduled_time - m.queued_time)  # the engine's queue alone, as vLLM's
             if m.first_token_time is not None:
                 self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
-        if m.first_token_time is not None:
-            self.ttft.observe(m.first_token_time - m.arrival_time)
         for before, after in zip(m.token_times, m.token_times[1:]):
             self.itl.observe(after - before)
         for reason in m.finish_reasons:

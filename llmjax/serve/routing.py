@@ -114,7 +114,8 @@ class ApproxRadixTree:
     worker's prefix cache without asking it (hence approximate).
 
     Memory: the bound counts characters; Python's nodes add to them, from about 7 bytes per
-    character kept (long prompts that share prefixes) to about 120 (many short, distinct ones)."""
+    character kept (long prompts that share prefixes) to about 120 (many short, distinct ones) and
+    about 300 (keys that branch at nearly every character)."""
 
     def __init__(self, max_chars: int = DEFAULT_MAX_TREE_CHARS):
         if max_chars < 1:
@@ -376,7 +377,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help=f"cache_aware: see --balance-abs-threshold (default {DEFAULT_BALANCE_REL_THRESHOLD})")
     parser.add_argument("--max-tree-chars", type=positive_int, default=None,
                         help=f"cache_aware: characters kept in each worker's tree, LRU eviction "
-                             f"(default {DEFAULT_MAX_TREE_CHARS}); about 7 to 120 bytes of memory each")
+                             f"(default {DEFAULT_MAX_TREE_CHARS}); about 7 to 300 bytes of memory each")
     parser.add_argument("--health-check-interval", type=positive_seconds, default=DEFAULT_HEALTH_CHECK_INTERVAL,
                         help="seconds between /health checks of every worker (default %(default)s)")
     parser.add_argument("--health-check-timeout", type=positive_seconds, default=DEFAULT_HEALTH_CHECK_TIMEOUT,
