@@ -17,7 +17,8 @@
   most once). None left: the last 503 a worker answered is relayed as it came (status, body,
   headers such as `Retry-After`, plus `x-llmjax-worker`), or, when no worker answered, the
   router's own 503. Any other answer, 4xx or 5xx included, is relayed to the client as it is.
-  Only a refused connection takes the worker down at once; an answer, even a 503 or a 500,
+  Only a connection that cannot be made (refused, or not accepted within the connect timeout)
+  takes the worker down at once; an answer, even a 503 or a 500,
   never does (its `/health` decides), and neither does a dropped connection (a keep-alive
   connection the worker closed as it was reused looks the same). A worker that fails later ends
   the relayed body: an SSE stream loses the incomplete event and gets an OpenAI error event and
