@@ -126,7 +126,8 @@ class OpenAIServer:
     def __init__(self, engine: LLMEngine, model_name: str):
         check_kv_capacity(engine)
         self.async_engine = AsyncEngine(engine)
-        cache_config = {"block_size": str(engine.config.block_size), "num_blocks": str(engine.num_blocks),
+        # vLLM's label names (`num_gpu_blocks`: the blocks of the device's KV pool, whatever the device)
+        cache_config = {"block_size": str(engine.config.block_size), "num_gpu_blocks": str(engine.num_blocks),
                         "cache_dtype": str(value_dtype(jax.tree.leaves(engine.runner.cache)[0].dtype)),
                         "enable_prefix_caching": str(engine.config.enable_prefix_caching)}
         self.metrics = ServerMetrics(lambda: self.async_engine.stats, model_name, engine.config.max_model_len,

@@ -94,7 +94,7 @@ def token_buckets(max_model_len: int) -> list[int]:
 
 
 class ServerMetrics:
-    """`cache_config`: label -> value of `cache_config_info` (block_size, num_blocks, ...)."""
+    """`cache_config`: label -> value of `cache_config_info` (block_size, num_gpu_blocks, ...)."""
 
     def __init__(self, stats: Callable[[], EngineStats], model_name: str, max_model_len: int,
                  cache_config: dict[str, str]):
