@@ -291,7 +291,7 @@ def run_sim_cluster(trace: list[TraceRequest], policy: routing.RoutingPolicy, n_
         for r in reps:
             r.advance(t.arrival)
         outcome.samples.append([(r.in_flight, r.queued()) for r in reps])
-        key = " ".join(map(str, t.prompt))  # token ids joined as text, as the router does for ids
+        key = " ".join(map(str, t.prompt))  # token ids as text, as the router writes them (less its trailing space)
         reps[policy.select(key, {i: r.in_flight for i, r in enumerate(reps)}).worker].submit(t)
     for r in reps:
         r.advance(math.inf)
