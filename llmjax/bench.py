@@ -11,7 +11,8 @@ Workloads (`--dataset`):
 - `multiturn`: `--num-prompts` conversations of `--turns` turns; each turn resends the whole
   history (earlier prompts and the model's replies, as text) plus a new user message. A
   conversation stops at a failed turn or at a turn that would no longer fit the model; the turns
-  it did not send are reported (`unsent_turns`).
+  it did not send are reported (`unsent_turns`). A new message's default length is 256 tokens, so
+  the default 4 turns fit a 2048-token model.
 
 Arrivals: a Poisson process at `--request-rate` (inf: all at once), and at most
 `--max-concurrency` requests in flight. Every request is a streamed `/v1/completions` call
@@ -79,11 +80,16 @@ DATASET_FLAGS = {
     "turns": ("--turns", 4, ("multiturn",)),
     "prompt_format": ("--prompt-format", "ids", ("random", "sharegpt", "prefix")),  # multiturn sends text
 }
+# A dataset's own defaults: a multiturn turn's new message is shorter, so that a conversation's
+# default 4 turns (each with its 128-token reply) fit a 2048-token model
+DATASET_DEFAULTS = {"multiturn": {"random_input_len": 256}}
 
 
 def with_dataset_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """A copy of `args` whose `DATASET_FLAGS` not given take their defaults."""
-    return argparse.Namespace(**{**vars(args), **{name: default for name, (_, default, _) in DATASET_FLAGS.items()
+    """A copy of `args` whose `DATASET_FLAGS` not given take their (dataset's) defaults."""
+    own = DATASET_DEFAULTS.get(args.dataset, {})
+    return argparse.Namespace(**{**vars(args), **{name: own.get(name, default)
+                                                  for name, (_, default, _) in DATASET_FLAGS.items()
                                                   if getattr(args, name) is None}})
 
 
@@ -502,7 +508,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
     def dataset_flag(name: str, text: str, **kwargs) -> None:
         flag, default, datasets = DATASET_FLAGS[name]
-        parser.add_argument(flag, default=None, help=f"{text} (default {default}; {', '.join(datasets)} only)",
+        own = "".join(f", {d}: {v[name]}" for d, v in DATASET_DEFAULTS.items() if name in v)
+        parser.add_argument(flag, default=None, help=f"{text} (default {default}{own}; {', '.join(datasets)} only)",
                             **kwargs)
 
     dataset_flag("random_input_len", "mean prompt length (prefix: after the shared prefix)", type=positive_int)

@@ -75,13 +75,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-interval", type=int, default=d.stream_interval,
                         help="a streamed request gets an output every this many tokens (and its first and last)")
     parser.add_argument("--compilation-cache-dir", default=d.compilation_cache_dir,
-                        help="JAX's persistent compilation cache (default: the engine's)")
+                        help="JAX's persistent compilation cache (default: $LLMJAX_COMPILATION_CACHE, "
+                             "else ~/.cache/llmjax/jax)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                         help="shard the model over this many devices (docs/parallelism.md)")
     parser.add_argument("--coordinator-address", default=d.coordinator_address,
-                        help="host:port of process 0 in a multi-host run (jax.distributed)")
-    parser.add_argument("--num-processes", type=int, default=d.num_processes, help="processes in a multi-host run")
-    parser.add_argument("--process-id", type=int, default=d.process_id, help="this process's rank in a multi-host run")
+                        help="host:port of process 0 in a multi-host run (jax.distributed; generate and the LLM "
+                             "API only)")
+    parser.add_argument("--num-processes", type=int, default=d.num_processes,
+                        help="processes in a multi-host run (generate and the LLM API only)")
+    parser.add_argument("--process-id", type=int, default=d.process_id,
+                        help="this process's rank in a multi-host run (generate and the LLM API only)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -357,6 +357,20 @@ def test_each_request_cut_to_fit_counts_once():
         assert workload.capped == capped, argv
 
 
+def test_multiturn_defaults_fit_every_turn_in_a_2048_token_model():
+    """A multiturn conversation's default turns, each resending the history, fit the embedded model's
+    default context (with the shared 1024-token default, only the first turn did)."""
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    for dataset in ("multiturn", "random"):
+        args = bench_module.with_dataset_defaults(parser.parse_args(["--dataset", dataset]))
+        if dataset == "random":
+            assert args.random_input_len == bench_module.DATASET_FLAGS["random_input_len"][1]
+            continue
+        last_turn = args.turns * (args.random_input_len + args.random_output_len)  # its history, message and reply
+        assert last_turn <= 2048, vars(args)
+
+
 def test_text_prompts_that_fill_the_context_fit_it(base_url, capsys):
     """Asked for more than the context holds, every request is cut to fit and said to be: output at
     most half the context, the prompt the rest, counted as the server counts the text (its BOS
