@@ -472,12 +472,18 @@ class ModelRunner:
         """Compile the step for each (T, S, B, decode_only) bucket ahead of serving, with a progress bar.
 
         Runs on all-padding inputs (every write lands in the null block), so the cache is unchanged.
+        Also compiles the write of a logits-processing row (on the scratch row, which only rows without
+        processing read), so the first request with penalties compiles nothing either.
         """
         self._warming_up = True
         try:
             for t, s, b, decode_only in tqdm(shapes, desc="compiling step buckets", unit="bucket"):
                 self.run(self.padding_inputs(t, s, b), decode_only)
-            jax.block_until_ready(self.cache)
+            vocab = self.model_config.vocab_size
+            self.penalties = _write_penalty_row(self.penalties, np.int32(self._scratch_row), np.zeros(vocab, np.int32),
+                                                np.zeros(vocab, bool), np.zeros(vocab, np.float32),
+                                                np.zeros(vocab, bool))
+            jax.block_until_ready((self.cache, self.penalties))
         finally:
             self._warming_up = False
         self._warmed_up = True

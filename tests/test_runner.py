@@ -119,6 +119,25 @@ def test_warmup_compiles_the_common_buckets_and_leaves_the_cache_alone():
     assert warm == cold
 
 
+def test_warm_up_also_compiles_the_write_of_a_penalty_row(monkeypatch):
+    """The first request with penalties (logits processing) after warm-up compiles nothing: warm-up
+    compiled the write of its row too. (A fresh jitted write, so what earlier tests compiled does not
+    hide a compile here.)"""
+    from llmjax import runner as runner_module
+    from llmjax.sampling_params import SamplingParams
+    from tests.engine_helpers import run_to_completion, tiny_engine
+
+    fresh = jax.jit(runner_module._write_penalty_row.__wrapped__, donate_argnums=(0,))
+    monkeypatch.setattr(runner_module, "_write_penalty_row", fresh)
+    engine = tiny_engine(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    engine.warmup()
+    compiled = fresh._cache_size()
+    params = SamplingParams(temperature=0.0, max_tokens=4, presence_penalty=0.5, logit_bias={7: -5.0}, min_tokens=2)
+    [out] = run_to_completion(engine, [[5, 6, 7, 8, 9]], params)
+    assert len(out.outputs[0].token_ids) == 4
+    assert (compiled, fresh._cache_size()) == (1, 1)
+
+
 def test_a_compile_outside_warm_up_is_counted_and_after_warm_up_warned(caplog):
     """Every step function compiled outside `warmup` counts (`num_serving_compiles`, the metrics'
     `step_compilations`); once warm-up has run, each is a bucket it missed and is logged as a
